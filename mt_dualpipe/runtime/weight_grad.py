@@ -1,0 +1,94 @@
+"""Deferred weight gradients: the fast path of the B / W split.
+
+A layer whose backward can hand its weight-gradient GEMM to later (``W``) checks for an active
+store inside its autograd ``backward``::
+
+    store = WeightGradStore.active()
+    if store is not None:
+        store.put(lambda: weight.grad_accumulate(grad_out.t() @ x))   # runs at W
+    else:
+        ...compute the weight gradient now...
+
+and declares ``supports_deferred_weight_grad = True`` on the module class, so the runtime knows
+that B of a stage made only of such layers (and parameter-free modules) leaves nothing but the
+queued closures for W.
+
+Stores are per pipeline, not global state: the runtime activates its own store only while it
+runs a B (``with store.deferring():``), and each B's closures form one group that the matching W
+runs (``store.run_oldest()``). Activation is process-wide for the duration of the call, so the
+autograd engine's device threads (CUDA/MUSA) see it too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator
+
+_active_lock = threading.Lock()
+_active: "WeightGradStore | None" = None
+
+
+class WeightGradStore:
+    """A FIFO of weight-gradient groups, one group per deferred B."""
+
+    def __init__(self) -> None:
+        self._collecting: list[Callable[[], None]] | None = None
+        self._groups: deque[tuple[Hashable, list[Callable[[], None]]]] = deque()
+
+    @staticmethod
+    def active() -> "WeightGradStore | None":
+        """The store of the pipeline running a deferred B right now, or None (compute W at once)."""
+        return _active
+
+    def put(self, fn: Callable[[], None]) -> None:
+        """Queue one weight-gradient computation of the B that is running."""
+        if self._collecting is None:
+            raise RuntimeError("WeightGradStore.put called outside a deferred B (use WeightGradStore.active())")
+        self._collecting.append(fn)
+
+    @contextmanager
+    def deferring(self, key: Hashable = None) -> Iterator[None]:
+        """Run a B with this store active; its closures become one group tagged ``key``."""
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError("another pipeline's deferred B is already running in this process")
+            _active = self
+        self._collecting = []
+        try:
+            yield
+        finally:
+            group, self._collecting = self._collecting, None
+            with _active_lock:
+                _active = None
+        self._groups.append((key, group))
+
+    def run_oldest(self, key: Hashable = None) -> int:
+        """Run the oldest group (the W of the oldest deferred B); returns how many closures ran.
+
+        When ``key`` is given it must match the group's key, which catches a W run out of order.
+        """
+        if not self._groups:
+            raise RuntimeError("W requested but no deferred weight gradients are queued")
+        got, group = self._groups.popleft()
+        if key is not None and got is not None and got != key:
+            raise RuntimeError(f"W for {key} but the oldest deferred B is {got}")
+        for fn in group:
+            fn()
+        return len(group)
+
+    def pop(self, key: Hashable) -> list[Callable[[], None]]:
+        """Remove and return the group tagged ``key`` (W may run out of FIFO order)."""
+        for i, (got, group) in enumerate(self._groups):
+            if got == key:
+                del self._groups[i]
+                return group
+        raise RuntimeError(f"no deferred weight gradients queued for {key}")
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def clear(self) -> None:
+        self._groups.clear()

@@ -1,0 +1,224 @@
+"""The schedule IR: compute ops, communication ops, ``Schedule`` and ``Program``.
+
+A ``Schedule`` is pure data: for every rank, the ordered list of compute ops (F, B, W, BW and FB
+pairs). ``lower()`` turns it into a ``Program`` by inserting batches of point-to-point
+communication. Ops are small named tuples: cheap to build by the hundred thousand, hashable (so
+they key dictionaries in the simulator and validator) and printable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple, Sequence, Union
+
+from .errors import ScheduleError
+
+COMPUTE_KINDS = ("F", "B", "W", "BW")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULE_FORMAT = "mt-dualpipe.schedule/1"
+
+
+class Op(NamedTuple):
+    """One compute op of one stage on one micro-batch: ``kind`` is F, B, W or BW."""
+
+    kind: str
+    chain: int
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(c{self.chain},s{self.stage},m{self.mb})"
+
+
+class FB(NamedTuple):
+    """An F and a B/BW of different micro-batches run as one overlapped unit (DualPipe's F&B)."""
+
+    f: Op
+    b: Op
+
+    @property
+    def kind(self) -> str:
+        return "FB"
+
+    def parts(self) -> tuple[Op, Op]:
+        return (self.f, self.b)
+
+    def __str__(self) -> str:
+        return f"FB[{self.f} + {self.b}]"
+
+
+class Comm(NamedTuple):
+    """A point-to-point op. ``chain``/``stage``/``mb`` name the *local* stage on this rank.
+
+    SEND_F(c, s, m) sends F(c, s, m)'s output to the rank of stage s+1, where RECV_F(c, s+1, m)
+    receives it. SEND_B(c, s, m) sends B(c, s, m)'s input-gradient to the rank of stage s-1, where
+    RECV_B(c, s-1, m) receives it.
+    """
+
+    kind: str
+    peer: int
+    chain: int
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}(c{self.chain},s{self.stage},m{self.mb} peer={self.peer})"
+
+
+class CommBatch(NamedTuple):
+    """Communication ops posted together (one ``batch_isend_irecv`` call)."""
+
+    ops: tuple[Comm, ...]
+
+    @property
+    def kind(self) -> str:
+        return "COMM"
+
+    def __str__(self) -> str:
+        return "COMM[" + ", ".join(str(c) for c in self.ops) + "]"
+
+
+ComputeItem = Union[Op, FB]
+Instruction = Union[Op, FB, CommBatch]
+
+
+def compute_parts(item: ComputeItem) -> tuple[Op, ...]:
+    """The plain ops of a compute item: itself, or the two halves of an FB pair."""
+    return (item.f, item.b) if type(item) is FB else (item,)
+
+
+@dataclass
+class Schedule:
+    """Per-rank ordered compute ops plus the placement they run on.
+
+    ``placement[c][s]`` is the rank that runs stage ``s`` of chain ``c``; ``microbatch_chain[m]``
+    is the chain micro-batch ``m`` flows through. ``meta`` keeps the options the generator was
+    built with (for example ``virtual_stages``), for display only.
+    """
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    placement: tuple[tuple[int, ...], ...]
+    microbatch_chain: tuple[int, ...]
+    ranks: list[list[ComputeItem]]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.placement = tuple(tuple(int(r) for r in chain) for chain in self.placement)
+        self.microbatch_chain = tuple(int(c) for c in self.microbatch_chain)
+        if len(self.ranks) != self.num_ranks:
+            raise ScheduleError(
+                f"schedule {self.name!r} has {len(self.ranks)} rank op lists, expected num_ranks={self.num_ranks}"
+            )
+        if len(self.microbatch_chain) != self.num_microbatches:
+            raise ScheduleError(
+                f"microbatch_chain has {len(self.microbatch_chain)} entries, expected num_microbatches={self.num_microbatches}"
+            )
+
+    # ----- placement queries -------------------------------------------------------------------
+    @property
+    def num_chains(self) -> int:
+        return len(self.placement)
+
+    def num_stages(self, chain: int = 0) -> int:
+        """Number of stages of ``chain`` (all chains of the built-in schedules have the same)."""
+        return len(self.placement[chain])
+
+    def rank_of(self, chain: int, stage: int) -> int:
+        return self.placement[chain][stage]
+
+    def local_stages(self, rank: int) -> list[tuple[int, int]]:
+        """The (chain, stage) pairs that ``rank`` runs, in (chain, stage) order.
+
+        This is the order in which a rank passes its stage modules to ``Pipeline``.
+        """
+        return [(c, s) for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == rank]
+
+    def microbatches_of(self, chain: int) -> list[int]:
+        return [m for m, c in enumerate(self.microbatch_chain) if c == chain]
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when any rank runs separate B and W ops."""
+        return any(p.kind == "W" for ops in self.ranks for item in ops for p in compute_parts(item))
+
+    def ops(self, rank: int) -> Sequence[ComputeItem]:
+        return self.ranks[rank]
+
+    def iter_ops(self) -> Iterator[tuple[int, int, ComputeItem]]:
+        for r, ops in enumerate(self.ranks):
+            for i, item in enumerate(ops):
+                yield r, i, item
+
+    def num_ops(self) -> int:
+        return sum(len(ops) for ops in self.ranks)
+
+    # ----- interchange -------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        from .interchange import schedule_to_dict
+
+        return schedule_to_dict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        from .interchange import schedule_to_json
+
+        return schedule_to_json(self, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        from .interchange import schedule_from_json
+
+        return schedule_from_json(text)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Schedule":
+        from .interchange import schedule_from_dict
+
+        return schedule_from_dict(data)
+
+    def to_pipelining_csv(self) -> str:
+        from .interchange import schedule_to_pipelining_csv
+
+        return schedule_to_pipelining_csv(self)
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: P={self.num_ranks} M={self.num_microbatches} chains={self.num_chains}"]
+        for r, ops in enumerate(self.ranks):
+            lines.append(f"  rank {r}: " + " ".join(_short(item) for item in ops))
+        return "\n".join(lines)
+
+
+def _short(item: ComputeItem) -> str:
+    if type(item) is FB:
+        return f"[{_short(item.f)}+{_short(item.b)}]"
+    return f"{item.kind}{item.mb}" + (f"@s{item.stage}" if item.stage else "")
+
+
+@dataclass
+class Program:
+    """A lowered schedule: per rank, compute ops interleaved with ``CommBatch`` es."""
+
+    schedule: Schedule
+    ranks: list[list[Instruction]]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.schedule.num_ranks
+
+    @property
+    def name(self) -> str:
+        return self.schedule.name
+
+    def compute_ops(self, rank: int) -> list[ComputeItem]:
+        return [i for i in self.ranks[rank] if type(i) is not CommBatch]
+
+    def num_comm_ops(self) -> int:
+        return sum(len(i.ops) for ops in self.ranks for i in ops if type(i) is CommBatch)
+
+    def __str__(self) -> str:
+        lines = [f"program {self.name}: P={self.num_ranks}"]
+        for r, ops in enumerate(self.ranks):
+            lines.append(f"  rank {r}:")
+            lines.extend(f"    {i:4d} {ins}" for i, ins in enumerate(ops))
+        return "\n".join(lines)

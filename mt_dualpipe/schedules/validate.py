@@ -1,0 +1,2 @@
+def validate(s): pass
+def validate_program(p): pass
