@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator
 
 _active_lock = threading.Lock()
-_active: "WeightGradStore | None" = None
+_active: WeightGradStore | None = None
 
 
 class WeightGradStore:
@@ -38,7 +38,7 @@ class WeightGradStore:
         self._groups: deque[tuple[Hashable, list[Callable[[], None]]]] = deque()
 
     @staticmethod
-    def active() -> "WeightGradStore | None":
+    def active() -> WeightGradStore | None:
         """The store of the pipeline running a deferred B right now, or None (compute W at once)."""
         return _active
 

@@ -11,8 +11,9 @@ sending stage when a list).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 from .errors import ScheduleError
 
@@ -31,11 +32,11 @@ class Costs:
     a2a_b: PerStage = 0.0
 
     @classmethod
-    def uniform(cls, f: float = 1.0, b: float = 1.0, w: float = 1.0, **kw: PerStage) -> "Costs":
+    def uniform(cls, f: float = 1.0, b: float = 1.0, w: float = 1.0, **kw: PerStage) -> Costs:
         return cls(f=f, b=b, w=w, **kw)
 
     @classmethod
-    def parse(cls, text: str) -> "Costs":
+    def parse(cls, text: str) -> Costs:
         """Parse the CLI form ``f,b,w[,fb[,comm]]`` (numbers separated by commas)."""
         try:
             values = [float(x) for x in text.split(",") if x.strip()]
@@ -47,7 +48,18 @@ class Costs:
         comm = values[4] if len(values) > 4 else 0.0
         return cls(values[0], values[1], values[2], fb=fb, comm=comm)
 
-    def per_stage(self, num_stages: int) -> "StageCosts":
+    def scaled(self, factor: float) -> Costs:
+        """Every time multiplied by ``factor`` (e.g. 1/v for the v-times smaller stages of a V schedule)."""
+        def mul(v: PerStage | None) -> PerStage | None:
+            if v is None:
+                return None
+            if isinstance(v, (int, float)):
+                return v * factor
+            return [x * factor for x in v]
+
+        return Costs(**{k: mul(getattr(self, k)) for k in ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b")})
+
+    def per_stage(self, num_stages: int) -> StageCosts:
         """Expand every field to a list of ``num_stages`` floats, checking lengths and signs."""
         def expand(name: str, value: PerStage | None) -> list[float] | None:
             if value is None:

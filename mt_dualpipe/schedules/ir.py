@@ -8,8 +8,9 @@ they key dictionaries in the simulator and validator) and printable.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Sequence, Union
+from typing import NamedTuple, Union
 
 from .errors import ScheduleError
 
@@ -133,7 +134,8 @@ class Schedule:
 
         This is the order in which a rank passes its stage modules to ``Pipeline``.
         """
-        return [(c, s) for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == rank]
+        return [(c, s) for c, chain in enumerate(self.placement)
+                for s, r in enumerate(chain) if r == rank]
 
     def microbatches_of(self, chain: int) -> list[int]:
         return [m for m, c in enumerate(self.microbatch_chain) if c == chain]
@@ -166,13 +168,13 @@ class Schedule:
         return schedule_to_json(self, indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Schedule":
+    def from_json(cls, text: str) -> Schedule:
         from .interchange import schedule_from_json
 
         return schedule_from_json(text)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Schedule":
+    def from_dict(cls, data: dict) -> Schedule:
         from .interchange import schedule_from_dict
 
         return schedule_from_dict(data)

@@ -7,8 +7,8 @@ parameters (positive integers, unknown options) once, so generators only check t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .errors import ScheduleError
 from .ir import Schedule
@@ -42,7 +42,7 @@ def register(name: str, description: str, constraints: str, *, param_copies: int
 
 def _load_families() -> None:
     # importing the family modules fills the registry
-    from . import dualpipe, gpipe, interleaved, one_f_one_b, zero_bubble  # noqa: F401
+    from . import auto, dualpipe, gpipe, interleaved, one_f_one_b, zero_bubble  # noqa: F401
 
 
 def schedule_info(name: str) -> ScheduleInfo:

@@ -40,7 +40,7 @@ class TimelineEvent(NamedTuple):
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TimelineEvent":
+    def from_dict(cls, d: dict) -> TimelineEvent:
         pair = d.get("pair")
         return cls(int(d["rank"]), str(d["op"]), int(d["chain"]), int(d["stage"]), int(d["mb"]),
                    float(d["start"]), float(d["end"]),
@@ -78,7 +78,7 @@ class Timeline:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str) -> "Timeline":
+    def from_json(cls, text: str) -> Timeline:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
