@@ -12,67 +12,70 @@ producer index, part):
   before its producer ends. Everything after that point starts later than the transfer, so a
   compute op never waits on a transfer that is ordered after itself.
 
-Ops posted at the same point form one ``CommBatch`` (one ``batch_isend_irecv``).
+Ops posted at the same point form one ``CommBatch`` (one ``batch_isend_irecv``), in key order.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 
+from ._perf import gc_paused
 from .costs import Costs
 from .ir import FB, Comm, CommBatch, Instruction, Program, Schedule
 from .simulate import run_schedule
 from .validate import _check_structure
 
 
+@gc_paused
 def lower(schedule: Schedule, check: bool = True) -> Program:
     """Lower ``schedule`` into a ``Program`` with SEND_F/RECV_F/SEND_B/RECV_B batches.
 
-    The schedule is validated first (a bad schedule raises ``ScheduleError``). With ``check`` the
-    structure is checked; the reference execution itself proves the compute order deadlock-free.
+    With ``check`` (the default) the schedule's structure is validated first; the reference
+    execution itself proves the compute order deadlock-free (it raises ``ScheduleError`` if not).
     """
     if check:
         _check_structure(schedule)
     P = schedule.num_ranks
     placement = schedule.placement
-    ref = run_schedule(schedule, Costs(1.0, 1.0, 1.0), record=True)  # raises on deadlock
     starts: list[list[float]] = [[] for _ in range(P)]
     ends: list[list[float]] = [[] for _ in range(P)]
-    for ev in ref.timeline:
-        starts[ev.rank].append(ev.start)
-        ends[ev.rank].append(ev.end)
+    run_schedule(schedule, Costs(1.0, 1.0, 1.0), record=False, starts_out=starts, ends_out=ends)
 
-    # slots[r]: {position before which the batch is posted: [(key, Comm), ...]}
-    slots: list[dict[int, list[tuple[tuple, Comm]]]] = [{} for _ in range(P)]
+    # one entry per transfer: (key..., send, recv, producer rank, slot of the send, peer)
+    transfers = []
+    append = transfers.append
     for r, ops in enumerate(schedule.ranks):
+        ends_r = ends[r]
         for i, item in enumerate(ops):
-            parts = (item.f, item.b) if type(item) is FB else (item,)
-            for part_no, op in enumerate(parts):
-                c, s, m = op.chain, op.stage, op.mb
+            for part_no, op in enumerate((item.f, item.b) if type(item) is FB else (item,)):
+                kind, c, s, m = op
                 chain = placement[c]
-                if op.kind == "F" and s + 1 < len(chain) and chain[s + 1] != r:
-                    peer = chain[s + 1]
-                    send, recv = Comm("SEND_F", peer, c, s, m), Comm("RECV_F", r, c, s + 1, m)
-                elif op.kind in ("B", "BW") and s > 0 and chain[s - 1] != r:
+                if kind == "F":
+                    if s + 1 < len(chain) and chain[s + 1] != r:
+                        peer = chain[s + 1]
+                        append((ends_r[i], r, i, part_no, Comm("SEND_F", peer, c, s, m),
+                                Comm("RECV_F", r, c, s + 1, m), peer))
+                elif kind != "W" and s > 0 and chain[s - 1] != r:
                     peer = chain[s - 1]
-                    send, recv = Comm("SEND_B", peer, c, s, m), Comm("RECV_B", r, c, s - 1, m)
-                else:
-                    continue
-                t = ends[r][i]
-                key = (t, r, i, part_no)
-                slots[r].setdefault(i + 1, []).append((key, send))
-                slots[peer].setdefault(bisect_left(starts[peer], t), []).append((key, recv))
+                    append((ends_r[i], r, i, part_no, Comm("SEND_B", peer, c, s, m),
+                            Comm("RECV_B", r, c, s - 1, m), peer))
+    transfers.sort()  # (end, rank, index, part) is unique: the Comm fields are never compared
+
+    # slots[r][j]: comm ops posted right before rank r's op j (j == len: after the last op)
+    slots: list[dict[int, list[Comm]]] = [{} for _ in range(P)]
+    for t, r, i, _, send, recv, peer in transfers:
+        slots[r].setdefault(i + 1, []).append(send)
+        slots[peer].setdefault(bisect_left(starts[peer], t), []).append(recv)
 
     ranks: list[list[Instruction]] = []
     for r, ops in enumerate(schedule.ranks):
-        out: list[Instruction] = []
         rank_slots = slots[r]
-        for i in range(len(ops) + 1):
-            batch = rank_slots.get(i)
-            if batch:
-                batch.sort(key=lambda kc: kc[0])
-                out.append(CommBatch(tuple(cm for _, cm in batch)))
-            if i < len(ops):
-                out.append(ops[i])
+        out: list[Instruction] = []
+        prev = 0
+        for j in sorted(rank_slots):
+            out.extend(ops[prev:j])
+            out.append(CommBatch(tuple(rank_slots[j])))
+            prev = j
+        out.extend(ops[prev:])
         ranks.append(out)
     return Program(schedule, ranks)

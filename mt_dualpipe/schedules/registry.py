@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ._perf import gc_paused
 from .errors import ScheduleError
 from .ir import Schedule
 
@@ -66,6 +67,7 @@ def _check_count(what: str, value: object, minimum: int) -> int:
     return value
 
 
+@gc_paused
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: object) -> Schedule:
     """Build the named schedule for ``num_ranks`` ranks and ``num_microbatches`` micro-batches.
 

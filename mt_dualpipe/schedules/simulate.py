@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ._perf import gc_paused
 from .costs import Costs
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
@@ -46,87 +47,88 @@ class SimResult:
                 "peak_activations": self.peak_activations}
 
 
-def _key_base(schedule: Schedule) -> tuple[int, int]:
-    return max(len(c) for c in schedule.placement), schedule.num_microbatches
+@gc_paused
+def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = True,
+                 starts_out: list[list[float]] | None = None, ends_out: list[list[float]] | None = None) -> SimResult:
+    """Simulate ``schedule`` (compute ops only) under ``costs``; raise ScheduleError on deadlock.
 
+    ``record`` keeps the timeline; ``starts_out``/``ends_out`` (one list per rank) receive each
+    op's start and end in program order — what lowering needs, without building events.
 
-def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = True) -> SimResult:
-    """Simulate ``schedule`` (compute ops only) under ``costs``; raise ScheduleError on deadlock."""
+    Ops are numbered ``u = (chain * S + stage) * M + mb``; ``f_end[u]``/``b_end[u]`` hold the
+    finish time of F / of B-or-BW (-1 while not run). A rank that meets an op whose input is not
+    ready parks on that input (``waiters``) and is resumed when it is produced, so the walk is
+    linear in the number of ops.
+    """
     costs = costs or Costs()
     P = schedule.num_ranks
-    S, M = _key_base(schedule)
     placement = schedule.placement
-    lengths = {len(c) for c in placement}
-    if len(lengths) != 1:
+    if len({len(c) for c in placement}) != 1:
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
+    S, M = len(placement[0]), schedule.num_microbatches
     sc = costs.per_stage(S)
     cf, cb, cw, ca2f, ca2b, lat = sc.f, sc.b, sc.w, sc.a2a_f, sc.a2a_b, sc.comm
     fb_cost = sc.fb_cost
+    rank_of = [r for chain in placement for r in chain]  # by c * S + s
 
-    f_end: dict[int, float] = {}
-    b_end: dict[int, float] = {}
-    waiters: dict[int, list[int]] = {}
+    n = len(placement) * S * M
+    f_end = [-1.0] * n
+    b_end = [-1.0] * n
+    waiters: dict[int, list[int]] = {}  # u (an F) or n + u (a B) -> parked ranks
     rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
     pos = [0] * P
     now = [0.0] * P
-    first = [None] * P
+    first: list[float | None] = [None] * P
     busy = [0.0] * P
     live = [0] * P
     peak = [0] * P
     events: list[TimelineEvent] = []
-    blocked_on: dict[int, tuple[int, Op, str, int]] = {}
+    blocked_on: dict[int, tuple[Op, str, int]] = {}
 
-    def ready_time(op: Op, r: int) -> float | None:
-        """Earliest start allowed by ``op``'s dependencies, or None (and a waiter) if not met."""
-        c, s, m = op.chain, op.stage, op.mb
-        base = (c * S + s) * M + m
-        t = 0.0
-        kind = op.kind
+    def ready(op: Op, r: int) -> float:
+        """Earliest start allowed by ``op``'s inputs, or -1 after parking rank ``r`` on the missing one."""
+        kind, c, s, m = op
+        cs = c * S + s
+        u = cs * M + m
         if kind == "F":
-            if s:
-                k = base - M
-                v = f_end.get(k)
-                if v is None:
-                    return _wait(k, r, op, "F", placement[c][s - 1])
-                if placement[c][s - 1] != r:
-                    v += lat[s - 1]
+            if not s:
+                return 0.0
+            v = f_end[u - M]
+            if v < 0:
+                return park(u - M, r, op, "F", rank_of[cs - 1])
+            return v + lat[s - 1] if rank_of[cs - 1] != r else v
+        if kind == "W":
+            v = b_end[u]
+            return v if v >= 0 else park(n + u, r, op, "B", r)
+        t = f_end[u]
+        if t < 0:
+            return park(u, r, op, "F", r)
+        if s + 1 < S:
+            v = b_end[u + M]
+            if v < 0:
+                return park(n + u + M, r, op, "B", rank_of[cs + 1])
+            if rank_of[cs + 1] != r:
+                v += lat[s + 1]
+            if v > t:
                 t = v
-        elif kind == "W":
-            v = b_end.get(base)
-            if v is None:
-                return _wait(base + (1 << 60), r, op, "B", placement[c][s])
-            t = v
-        else:  # B or BW
-            v = f_end.get(base)
-            if v is None:
-                return _wait(base, r, op, "F", placement[c][s])
-            t = v
-            if s + 1 < len(placement[c]):
-                k = base + M
-                v = b_end.get(k)
-                if v is None:
-                    return _wait(k + (1 << 60), r, op, "B", placement[c][s + 1])
-                if placement[c][s + 1] != r:
-                    v += lat[s + 1]
-                if v > t:
-                    t = v
         return t
 
-    def _wait(key: int, r: int, op: Op, what: str, owner: int) -> None:
+    def park(key: int, r: int, op: Op, what: str, owner: int) -> float:
         waiters.setdefault(key, []).append(r)
-        blocked_on[r] = (key, op, what, owner)
-        return None
+        blocked_on[r] = (op, what, owner)
+        return -1.0
 
-    def finish(op: Op, end: float, stack: list[int]) -> None:
-        base = (op.chain * S + op.stage) * M + op.mb
-        if op.kind == "F":
-            f_end[base] = end
-            w = waiters.pop(base, None)
-        elif op.kind == "W":
+    def produced(op: Op, end: float) -> None:
+        kind, c, s, m = op
+        u = (c * S + s) * M + m
+        if kind == "F":
+            f_end[u] = end
+            w = waiters.pop(u, None)
+        elif kind == "W":
             return
         else:
-            b_end[base] = end
-            w = waiters.pop(base + (1 << 60), None)
+            b_end[u] = end
+            w = waiters.pop(n + u, None)
         if w:
             stack.extend(w)
 
@@ -135,19 +137,20 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         r = stack.pop()
         ops = rank_ops[r]
         i = pos[r]
-        n = len(ops)
+        nops = len(ops)
         blocked_on.pop(r, None)
-        while i < n:
+        t_now = now[r]
+        while i < nops:
             item = ops[i]
             if type(item) is FB:
                 f, b = item.f, item.b
-                t1 = ready_time(f, r)
-                if t1 is None:
+                t1 = ready(f, r)
+                if t1 < 0:
                     break
-                t2 = ready_time(b, r)
-                if t2 is None:
+                t2 = ready(b, r)
+                if t2 < 0:
                     break
-                start = max(now[r], t1, t2)
+                start = max(t_now, t1, t2)
                 dur = fb_cost(f.stage, b.kind, b.stage)
                 end = start + dur
                 live[r] += 1
@@ -158,43 +161,58 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
                 if record:
                     events.append(TimelineEvent(r, "FB", f.chain, f.stage, f.mb, start, end,
                                                 (b.kind, b.chain, b.stage, b.mb)))
-                finish(f, end, stack)
-                finish(b, end, stack)
+                produced(f, end)
+                produced(b, end)
             else:
-                t = ready_time(item, r)
-                if t is None:
+                kind, c, s, m = item
+                t = ready(item, r)
+                if t < 0:
                     break
-                start = now[r] if now[r] > t else t
-                kind, s = item.kind, item.stage
+                start = t_now if t_now > t else t
+                u = (c * S + s) * M + m
                 if kind == "F":
                     dur = cf[s] + ca2f[s]
                     live[r] += 1
                     if live[r] > peak[r]:
                         peak[r] = live[r]
-                elif kind == "B":
-                    dur = cb[s] + ca2b[s]
+                    end = start + dur
+                    f_end[u] = end
+                    w = waiters.pop(u, None)
+                    if w:
+                        stack.extend(w)
                 elif kind == "W":
                     dur = cw[s]
                     live[r] -= 1
-                elif kind == "BW":
-                    dur = cb[s] + cw[s] + ca2b[s]
-                    live[r] -= 1
+                    end = start + dur
                 else:
-                    raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}; allowed F, B, W, BW, FB")
-                end = start + dur
+                    if kind == "B":
+                        dur = cb[s] + ca2b[s]
+                    elif kind == "BW":
+                        dur = cb[s] + cw[s] + ca2b[s]
+                        live[r] -= 1
+                    else:
+                        raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}; allowed F, B, W, BW, FB")
+                    end = start + dur
+                    b_end[u] = end
+                    w = waiters.pop(n + u, None)
+                    if w:
+                        stack.extend(w)
                 if record:
-                    events.append(TimelineEvent(r, kind, item.chain, s, item.mb, start, end))
-                finish(item, end, stack)
+                    events.append(TimelineEvent(r, kind, c, s, m, start, end))
             if first[r] is None:
                 first[r] = start
+            if starts_out is not None:
+                starts_out[r].append(start)
+                ends_out[r].append(end)
             busy[r] += dur
-            now[r] = end
+            t_now = end
             i += 1
         pos[r] = i
+        now[r] = t_now
 
     stuck = [r for r in range(P) if pos[r] < len(rank_ops[r])]
     if stuck:
-        raise ScheduleError(_deadlock_message(schedule, rank_ops, pos, blocked_on, stuck))
+        raise ScheduleError(_deadlock_message(rank_ops, pos, blocked_on, stuck))
 
     makespan = max(now) if P else 0.0
     span = [(now[r] - first[r]) if first[r] is not None else 0.0 for r in range(P)]
@@ -207,7 +225,7 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
     )
 
 
-def _deadlock_message(schedule, rank_ops, pos, blocked_on, stuck) -> str:
+def _deadlock_message(rank_ops, pos, blocked_on, stuck) -> str:
     """Describe why ranks are stuck: a missing/late op on the same rank, or a cycle of ranks."""
     lines = []
     for r in stuck:
@@ -216,14 +234,14 @@ def _deadlock_message(schedule, rank_ops, pos, blocked_on, stuck) -> str:
         if key_op is None:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} is stuck")
             continue
-        _, op, what, owner = key_op
+        op, what, owner = key_op
         dep = _dep_name(op, what)
         if owner == r:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} waits for {dep}, which rank {r} runs later or never")
             return "deadlock: " + lines[-1]
         lines.append(f"rank {r} op {i} {rank_ops[r][i]} waits for {dep} on rank {owner}")
     # follow the wait-for edges from the first stuck rank to find a cycle
-    nxt = {r: blocked_on[r][3] for r in stuck if r in blocked_on}
+    nxt = {r: blocked_on[r][2] for r in stuck if r in blocked_on}
     seen: list[int] = []
     r = stuck[0]
     while r in nxt and r not in seen:
@@ -255,4 +273,12 @@ def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None
         schedule = Schedule(sched.name, sched.num_ranks, sched.num_microbatches, sched.placement,
                             sched.microbatch_chain,
                             [schedule_or_program.compute_ops(r) for r in range(sched.num_ranks)], sched.meta)
-    return run_schedule(schedule, costs)
+    try:
+        return run_schedule(schedule, costs)
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ScheduleError):
+            raise
+        from .validate import _check_structure
+
+        _check_structure(schedule)  # names the malformed op
+        raise ScheduleError(f"cannot simulate {schedule.name!r}: {exc}") from exc

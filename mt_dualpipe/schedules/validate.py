@@ -6,26 +6,35 @@ and then walks the dependencies (the simulator's walk) to prove the order can co
 failure raises ``ScheduleError`` naming the rank, the op index, the op and what it waits for; a
 deadlock names the cycle of waiting ranks.
 
-``validate_program(program)`` additionally checks the communication: each cross-rank dependency
-has exactly one send and one matching receive, sends and receives pair up in order per channel,
-sends come after their producer and receives before their consumer, and the program completes
-under rendezvous point-to-point semantics (each rank's comm batches complete in the order posted,
-an op completes only when the peer's batch holding its match is active, and a compute op waits
-for the batches holding its receives) — the NCCL/MCCL model.
+``validate_program(program)`` checks the communication too: each cross-rank dependency has
+exactly one send and one matching receive, they pair up in order per channel, sends come after
+their producer and receives before their consumer, and the program completes under rendezvous
+point-to-point semantics — the NCCL/MCCL model: each rank's comm batches complete in the order
+posted, a transfer completes only when the batches holding both of its ends are active (at the
+head of their rank's queue), and a compute op waits for the batches holding its receives.
+
+Internally ops are numbered ``u = (chain * S + stage) * M + mb`` (S: stages per chain), and the
+data a transfer carries is ``2u`` (F's output) or ``2u + 1`` (B's input-gradient): flat arrays
+instead of dictionaries keep this linear and fast at 64 ranks x 1024 micro-batches.
 """
 
 from __future__ import annotations
 
+from ._perf import gc_paused
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
 from .simulate import run_schedule
 
+_KINDS = ("F", "B", "W", "BW")
 
-def _check_structure(schedule: Schedule) -> None:
-    P, M = schedule.num_ranks, schedule.num_microbatches
+
+def _check_header(schedule: Schedule) -> None:
+    P = schedule.num_ranks
     placement = schedule.placement
     if not placement or any(len(c) == 0 for c in placement):
         raise ScheduleError("placement must list at least one stage for every chain")
+    if len({len(c) for c in placement}) != 1:
+        raise ScheduleError("all chains of a schedule must have the same number of stages")
     for c, chain in enumerate(placement):
         for s, r in enumerate(chain):
             if not 0 <= r < P:
@@ -34,55 +43,80 @@ def _check_structure(schedule: Schedule) -> None:
         if not 0 <= c < len(placement):
             raise ScheduleError(f"micro-batch {m} is on chain {c}; chains are 0..{len(placement) - 1}")
 
-    seen: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+
+def _check_structure(schedule: Schedule) -> None:
+    """Exactly-once ops on the placement's ranks, well-formed FB pairs (no dependency check)."""
+    _check_header(schedule)
+    M = schedule.num_microbatches
+    placement = schedule.placement
+    C, S = len(placement), len(placement[0])
+    n = C * S * M
+    seen = {k: bytearray(n) for k in _KINDS}
     chain_of = schedule.microbatch_chain
     for r, ops in enumerate(schedule.ranks):
         for i, item in enumerate(ops):
-            if type(item) is FB:
-                if item.f.kind != "F" or item.b.kind not in ("B", "BW"):
+            t = type(item)
+            if t is FB:
+                f, b = item.f, item.b
+                if type(f) is not Op or type(b) is not Op or f.kind != "F" or b.kind not in ("B", "BW"):
                     raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs an F with a B or BW")
-                if item.f.mb == item.b.mb:
+                if f.mb == b.mb:
                     raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs two different micro-batches")
-                parts = (item.f, item.b)
-            elif type(item) is Op:
+                parts = (f, b)
+            elif t is Op:
                 parts = (item,)
             else:
                 raise ScheduleError(f"rank {r} op {i}: expected an Op or FB, got {item!r}")
             for op in parts:
-                where = f"rank {r} op {i} {op}"
-                if op.kind not in ("F", "B", "W", "BW"):
-                    raise ScheduleError(f"{where}: unknown kind {op.kind!r}; allowed F, B, W, BW, FB")
-                if not 0 <= op.chain < len(placement) or not 0 <= op.stage < len(placement[op.chain]):
-                    raise ScheduleError(f"{where}: no such chain/stage in the placement")
-                if not 0 <= op.mb < M:
-                    raise ScheduleError(f"{where}: micro-batch {op.mb} out of range 0..{M - 1}")
-                if chain_of[op.mb] != op.chain:
-                    raise ScheduleError(f"{where}: micro-batch {op.mb} belongs to chain {chain_of[op.mb]}")
-                owner = placement[op.chain][op.stage]
-                if owner != r:
-                    raise ScheduleError(
-                        f"{where}: the placement puts chain {op.chain} stage {op.stage} on rank {owner}")
-                key = (op.kind, op.chain, op.stage, op.mb)
-                if key in seen:
-                    pr, pi = seen[key]
-                    raise ScheduleError(f"{where}: duplicate, already at rank {pr} op {pi}")
-                seen[key] = (r, i)
-
+                kind, c, s, m = op
+                arr = seen.get(kind)
+                if arr is None:
+                    raise ScheduleError(f"rank {r} op {i} {op}: unknown kind {kind!r}; allowed F, B, W, BW, FB")
+                if not (0 <= c < C and 0 <= s < S and 0 <= m < M) or chain_of[m] != c or placement[c][s] != r:
+                    raise ScheduleError(_misplaced(r, i, op, schedule))
+                u = (c * S + s) * M + m
+                if arr[u]:
+                    raise ScheduleError(f"rank {r} op {i} {op}: duplicate, {_where(schedule, op)}")
+                arr[u] = 1
+    sf, sb, sw, sbw = seen["F"], seen["B"], seen["W"], seen["BW"]
     for m, c in enumerate(chain_of):
-        for s in range(len(placement[c])):
+        for s in range(S):
+            u = (c * S + s) * M + m
+            if sf[u] and ((sbw[u] and not sb[u] and not sw[u]) or (sb[u] and sw[u] and not sbw[u])):
+                continue
             r = placement[c][s]
-            has = [k for k in ("F", "B", "W", "BW") if (k, c, s, m) in seen]
-            if "F" not in has:
+            if not sf[u]:
                 raise ScheduleError(f"rank {r}: F(c{c},s{s},m{m}) is missing")
-            if "BW" in has and ("B" in has or "W" in has):
+            if sbw[u]:
                 raise ScheduleError(f"rank {r}: (c{c},s{s},m{m}) has both a BW and a split B/W")
-            if "BW" not in has and not ("B" in has and "W" in has):
-                missing = "a BW, or a B and a W" if not ("B" in has or "W" in has) else ("W" if "B" in has else "B")
-                raise ScheduleError(f"rank {r}: (c{c},s{s},m{m}) lacks {missing}")
+            missing = "a BW, or a B and a W" if not (sb[u] or sw[u]) else ("W" if sb[u] else "B")
+            raise ScheduleError(f"rank {r}: (c{c},s{s},m{m}) lacks {missing}")
 
 
+def _misplaced(r: int, i: int, op: Op, schedule: Schedule) -> str:
+    where = f"rank {r} op {i} {op}"
+    placement, M = schedule.placement, schedule.num_microbatches
+    if not 0 <= op.chain < len(placement) or not 0 <= op.stage < len(placement[op.chain]):
+        return f"{where}: no such chain/stage in the placement"
+    if not 0 <= op.mb < M:
+        return f"{where}: micro-batch {op.mb} out of range 0..{M - 1}"
+    if schedule.microbatch_chain[op.mb] != op.chain:
+        return f"{where}: micro-batch {op.mb} belongs to chain {schedule.microbatch_chain[op.mb]}"
+    owner = placement[op.chain][op.stage]
+    return f"{where}: the placement puts chain {op.chain} stage {op.stage} on rank {owner}"
+
+
+def _where(schedule: Schedule, op: Op) -> str:
+    for r, ops in enumerate(schedule.ranks):
+        for i, item in enumerate(ops):
+            if op in ((item.f, item.b) if type(item) is FB else (item,)):
+                return f"already at rank {r} op {i}"
+    return "already present"
+
+
+@gc_paused
 def validate(schedule: Schedule | Program) -> None:
-    """Raise ScheduleError if ``schedule`` (or a program's compute ops) cannot run; else return None."""
+    """Raise ScheduleError if ``schedule`` (or a program) cannot run; else return None."""
     if isinstance(schedule, Program):
         validate_program(schedule)
         return
@@ -96,206 +130,225 @@ def _compute_view(program: Program) -> Schedule:
                     [program.compute_ops(r) for r in range(s.num_ranks)], s.meta)
 
 
-def _match_key(c: Op | object) -> tuple:
-    """The dependency a comm op carries: (kind of data, chain, producing stage, mb)."""
-    kind, chain, stage, mb = c.kind, c.chain, c.stage, c.mb
-    if kind == "SEND_F":
-        return ("F", chain, stage, mb)
-    if kind == "RECV_F":
-        return ("F", chain, stage - 1, mb)
-    if kind == "SEND_B":
-        return ("B", chain, stage, mb)
-    return ("B", chain, stage + 1, mb)
+def _data_name(key: int, S: int, M: int) -> str:
+    u, is_b = divmod(key, 2)
+    cs, m = divmod(u, M)
+    c, s = divmod(cs, S)
+    return f"{'B' if is_b else 'F'}(c{c},s{s},m{m})"
 
 
-def _bad_comm(r: int, i: int, cm, chain, nxt: int, key: tuple, expected: set, book: set) -> str:
-    """The message for a comm op that is on the wrong rank, talks to the wrong peer or repeats."""
-    loc = f"rank {r} instruction {i} {cm}"
-    if not 0 <= cm.stage < len(chain) or chain[cm.stage] != r:
-        return f"{loc}: rank {r} does not run chain {cm.chain} stage {cm.stage}"
-    if not 0 <= nxt < len(chain):
-        return f"{loc}: there is no stage {nxt} to talk to"
-    if chain[nxt] != cm.peer:
-        return f"{loc}: peer should be rank {chain[nxt]} (stage {nxt})"
-    if key not in expected:
-        return f"{loc}: no such cross-rank dependency"
-    return f"{loc}: duplicate {'send' if cm.kind.startswith('SEND') else 'receive'}"
-
-
+@gc_paused
 def validate_program(program: Program) -> None:
     """Validate a lowered program: compute ops, send/recv matching, and rendezvous deadlock-freedom."""
-    sched = _compute_view(program)
-    validate(sched)
-    placement = sched.placement
+    view = _compute_view(program)
+    _check_structure(view)
+    P, M = view.num_ranks, view.num_microbatches
+    placement = view.placement
+    S = len(placement[0])
+    nkeys = 2 * len(placement) * S * M
+    progs = program.ranks
 
-    # --- every comm op is on the right rank and talks to the right peer ------------------------
-    expected: set[tuple] = set()
-    for c, chain in enumerate(placement):
-        for m in sched.microbatches_of(c):
-            for s in range(len(chain) - 1):
-                if chain[s] != chain[s + 1]:
-                    expected.add(("F", c, s, m))
-                    expected.add(("B", c, s + 1, m))
-    channels: dict[tuple[int, int], tuple[list, list]] = {}
-    sends_seen: set[tuple] = set()
-    recvs_seen: set[tuple] = set()
-    for r, prog in enumerate(program.ranks):
+    # ---- pass 1: every comm op on the right rank, right peer, once; channel order -------------
+    send_batch = [-1] * nkeys  # batch index (on the producing rank) holding each send
+    recv_batch = [-1] * nkeys
+    batch_keys: list[list[list[tuple[int, int, bool]]]] = []  # per rank, per batch: (key, peer, is send)
+    channels: dict[int, tuple[list[int], list[int]]] = {}
+    for r, prog in enumerate(progs):
+        keys_r: list[list[tuple[int, int, bool]]] = []
         for i, ins in enumerate(prog):
             if type(ins) is not CommBatch:
                 continue
             if not ins.ops:
                 raise ScheduleError(f"rank {r} instruction {i}: empty comm batch")
+            b = len(keys_r)
+            keys: list[tuple[int, int, bool]] = []
             for cm in ins.ops:
-                kind = cm.kind
-                is_send = kind == "SEND_F" or kind == "SEND_B"
-                if not is_send and kind != "RECV_F" and kind != "RECV_B":
+                kind, peer, c, s, m = cm
+                if kind == "SEND_F":
+                    ps, nxt, bit, is_send = s, s + 1, 0, True
+                elif kind == "RECV_F":
+                    ps, nxt, bit, is_send = s - 1, s - 1, 0, False
+                elif kind == "SEND_B":
+                    ps, nxt, bit, is_send = s, s - 1, 1, True
+                elif kind == "RECV_B":
+                    ps, nxt, bit, is_send = s + 1, s + 1, 1, False
+                else:
                     raise ScheduleError(f"rank {r} instruction {i} {cm}: unknown comm kind; "
                                         "allowed SEND_F, RECV_F, SEND_B, RECV_B")
-                chain = placement[cm.chain]
-                nxt = cm.stage + (1 if kind in ("SEND_F", "RECV_B") else -1)
-                key = _match_key(cm)
-                book = sends_seen if is_send else recvs_seen
-                if not 0 <= cm.stage < len(chain) or chain[cm.stage] != r or not 0 <= nxt < len(chain) \
-                        or chain[nxt] != cm.peer or key not in expected or key in book:
-                    raise ScheduleError(_bad_comm(r, i, cm, chain, nxt, key, expected, book))
-                book.add(key)
-                src, dst = (r, cm.peer) if is_send else (cm.peer, r)
-                channels.setdefault((src, dst), ([], []))[0 if is_send else 1].append(key)
-    for key in sorted(expected - sends_seen):
-        raise ScheduleError(f"no send for {key[0]}(c{key[1]},s{key[2]},m{key[3]}) to the next rank")
-    for key in sorted(expected - recvs_seen):
-        raise ScheduleError(f"no receive for {key[0]}(c{key[1]},s{key[2]},m{key[3]}) from the previous rank")
-    for (src, dst), (sends, recvs) in channels.items():
-        for k, (a, b) in enumerate(zip(sends, recvs)):
-            if a != b:
-                raise ScheduleError(
-                    f"channel rank {src} -> rank {dst}: send #{k} carries {a} but receive #{k} expects {b}; "
-                    "sends and receives must pair up in order"
-                )
+                if not (0 <= c < len(placement) and 0 <= s < S and 0 <= nxt < S and 0 <= m < M) \
+                        or placement[c][s] != r or placement[c][nxt] != peer or peer == r \
+                        or view.microbatch_chain[m] != c:
+                    raise ScheduleError(_bad_comm(r, i, cm, placement, view.microbatch_chain, S, M))
+                key = 2 * ((c * S + ps) * M + m) + bit
+                book = send_batch if is_send else recv_batch
+                if book[key] >= 0:
+                    raise ScheduleError(f"rank {r} instruction {i} {cm}: duplicate {'send' if is_send else 'receive'}")
+                book[key] = b
+                keys.append((key, peer, is_send))
+                ch = (r * P + peer) if is_send else (peer * P + r)
+                pair = channels.get(ch)
+                if pair is None:
+                    pair = channels[ch] = ([], [])
+                pair[0 if is_send else 1].append(key)
+            keys_r.append(keys)
+        batch_keys.append(keys_r)
 
-    # --- sends after their producer, receives before their consumer ----------------------------
-    for r, prog in enumerate(program.ranks):
-        produced: set[tuple] = set()
-        received: set[tuple] = set()
-        for i, ins in enumerate(prog):
-            if type(ins) is CommBatch:
-                for cm in ins.ops:
-                    key = _match_key(cm)
-                    if cm.kind.startswith("SEND"):
-                        if key not in produced:
-                            raise ScheduleError(f"rank {r} instruction {i} {cm}: sent before it is computed")
-                    else:
-                        received.add(key)
+    # every cross-rank edge has both ends
+    for c, chain in enumerate(placement):
+        for m in range(M):
+            if view.microbatch_chain[m] != c:
                 continue
-            for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
-                if op.kind == "F":
-                    produced.add(("F", op.chain, op.stage, op.mb))
-                    need = ("F", op.chain, op.stage - 1, op.mb)
-                elif op.kind in ("B", "BW"):
-                    produced.add(("B", op.chain, op.stage, op.mb))
-                    need = ("B", op.chain, op.stage + 1, op.mb)
-                else:
+            for s in range(S - 1):
+                if chain[s] == chain[s + 1]:
                     continue
-                if need in expected and need not in received:
-                    raise ScheduleError(
-                        f"rank {r} instruction {i} {op}: needs {need} but its receive is not posted before it")
+                for key in (2 * ((c * S + s) * M + m), 2 * ((c * S + s + 1) * M + m) + 1):
+                    if send_batch[key] < 0:
+                        raise ScheduleError(f"no send for {_data_name(key, S, M)} to rank "
+                                            f"{chain[s + 1] if key % 2 == 0 else chain[s]}")
+                    if recv_batch[key] < 0:
+                        raise ScheduleError(f"no receive for {_data_name(key, S, M)} on rank "
+                                            f"{chain[s + 1] if key % 2 == 0 else chain[s]}")
+    for ch, (sends, recvs) in channels.items():
+        if sends != recvs:
+            k = next(k for k, (a, b) in enumerate(zip(sends, recvs)) if a != b)
+            src, dst = divmod(ch, P)
+            raise ScheduleError(
+                f"channel rank {src} -> rank {dst}: send #{k} carries {_data_name(sends[k], S, M)} but receive "
+                f"#{k} expects {_data_name(recvs[k], S, M)}; sends and receives must pair up in order")
 
-    _rendezvous_check(program)
+    _rendezvous_run(program, view, batch_keys, send_batch, recv_batch, nkeys)
 
 
-def _rendezvous_check(program: Program) -> None:
-    """Run the program under rendezvous semantics; raise ScheduleError naming the stuck ranks."""
-    P = program.num_ranks
+def _bad_comm(r: int, i: int, cm, placement, chain_of, S: int, M: int) -> str:
+    """The message for a comm op that is on the wrong rank or talks to the wrong peer."""
+    loc = f"rank {r} instruction {i} {cm}"
+    if not 0 <= cm.chain < len(placement) or not 0 <= cm.stage < S or not 0 <= cm.mb < M:
+        return f"{loc}: no such chain/stage/micro-batch"
+    if chain_of[cm.mb] != cm.chain:
+        return f"{loc}: micro-batch {cm.mb} belongs to chain {chain_of[cm.mb]}"
+    chain = placement[cm.chain]
+    if chain[cm.stage] != r:
+        return f"{loc}: rank {r} does not run chain {cm.chain} stage {cm.stage}"
+    nxt = cm.stage + (1 if cm.kind in ("SEND_F", "RECV_B") else -1)
+    if not 0 <= nxt < S:
+        return f"{loc}: there is no stage {nxt} to talk to"
+    return f"{loc}: peer should be rank {chain[nxt]} (stage {nxt})"
+
+
+def _rendezvous_run(program: Program, view: Schedule, batch_keys, send_batch, recv_batch, nkeys: int) -> None:
+    """Execute the program under rendezvous semantics, checking data order on the way."""
+    P, M = view.num_ranks, view.num_microbatches
+    placement = view.placement
+    S = len(placement[0])
     progs = program.ranks
-    batches: list[list[CommBatch]] = [[ins for ins in prog if type(ins) is CommBatch] for prog in progs]
-    # where each op's match lives: (rank, batch index, op index)
-    loc: dict[tuple, tuple[int, int, int]] = {}
-    for r in range(P):
-        for b, batch in enumerate(batches[r]):
-            for j, cm in enumerate(batch.ops):
-                loc[(cm.kind.startswith("SEND"), _match_key(cm))] = (r, b, j)
-    partner: list[list[list[tuple[int, int, int]]]] = [
-        [[loc[(not cm.kind.startswith("SEND"), _match_key(cm))] for cm in batch.ops] for batch in batches[r]]
-        for r in range(P)
-    ]
-    pending = [[len(batch.ops) for batch in batches[r]] for r in range(P)]
-    done = [[[False] * len(batch.ops) for batch in batches[r]] for r in range(P)]
-    # per compute instruction, the highest batch index holding a receive it consumes (-1: none)
-    wait_for: list[list[int]] = []
-    for prog in progs:
-        recv_batch: dict[tuple, int] = {}
-        nb = 0
-        w = []
-        for ins in prog:
-            if type(ins) is CommBatch:
-                for cm in ins.ops:
-                    if not cm.kind.startswith("SEND"):
-                        recv_batch[_match_key(cm)] = nb
-                nb += 1
-                w.append(-1)
-                continue
-            need = -1
-            for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
-                if op.kind == "F":
-                    k = ("F", op.chain, op.stage - 1, op.mb)
-                elif op.kind in ("B", "BW"):
-                    k = ("B", op.chain, op.stage + 1, op.mb)
-                else:
-                    continue
-                need = max(need, recv_batch.get(k, -1))
-            w.append(need)
-        wait_for.append(w)
-
+    done = bytearray(nkeys)  # data produced (F output / B input-grad), by its key
+    w_ready = bytearray(nkeys // 2)  # B done locally (W may run)
+    paired = bytearray(nkeys)  # transfer completed
+    posted_recv = bytearray(nkeys)
+    pending = [[len(k) for k in kr] for kr in batch_keys]
     head = [0] * P
     posted = [0] * P
     pc = [0] * P
+    stuck_on: dict[int, tuple[int, int]] = {}
     ranks_to_run = list(range(P))
-    heads_to_check: list[int] = []
+    heads: list[int] = []
 
-    while ranks_to_run or heads_to_check:
+    def fail(r: int, i: int, what: str) -> None:
+        raise ScheduleError(f"rank {r} instruction {i} {progs[r][i]}: {what}")
+
+    while ranks_to_run or heads:
         while ranks_to_run:
             r = ranks_to_run.pop()
-            prog, w = progs[r], wait_for[r]
+            prog = progs[r]
             i = pc[r]
-            while i < len(prog):
-                if type(prog[i]) is CommBatch:
-                    posted[r] += 1
-                    if posted[r] - 1 == head[r]:
-                        heads_to_check.append(r)
-                elif w[i] >= head[r]:
+            n = len(prog)
+            h = head[r]
+            while i < n:
+                ins = prog[i]
+                if type(ins) is CommBatch:
+                    b = posted[r]
+                    for key, _, is_send in batch_keys[r][b]:
+                        if is_send:
+                            if not done[key]:
+                                fail(r, i, f"sends {_data_name(key, S, M)} before it is computed")
+                        else:
+                            posted_recv[key] = 1
+                    posted[r] = b + 1
+                    if b == h:
+                        heads.append(r)
+                    i += 1
+                    continue
+                blocked = False
+                for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
+                    kind, c, s, m = op
+                    u = (c * S + s) * M + m
+                    chain = placement[c]
+                    if kind == "W":
+                        if not w_ready[u]:
+                            fail(r, i, f"waits for B(c{c},s{s},m{m}), which rank {r} runs later or never")
+                        continue
+                    if kind == "F":
+                        if s == 0:
+                            continue
+                        key, other = 2 * (u - M), chain[s - 1]
+                    else:
+                        if not done[2 * u]:
+                            fail(r, i, f"waits for F(c{c},s{s},m{m}), which rank {r} runs later or never")
+                        if s + 1 == S:
+                            continue
+                        key, other = 2 * (u + M) + 1, chain[s + 1]
+                    if other == r:
+                        if not done[key]:
+                            fail(r, i, f"waits for {_data_name(key, S, M)}, which rank {r} runs later or never")
+                    elif not posted_recv[key]:
+                        fail(r, i, f"needs {_data_name(key, S, M)} but its receive is not posted before it")
+                    elif recv_batch[key] >= h:
+                        blocked = True
+                        stuck_on[r] = (key, other)  # formatted only if the run ends stuck
+                        break
+                if blocked:
                     break
+                for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
+                    kind, c, s, m = op
+                    u = (c * S + s) * M + m
+                    if kind == "F":
+                        done[2 * u] = 1
+                    elif kind != "W":
+                        done[2 * u + 1] = 1
+                        w_ready[u] = 1
                 i += 1
             pc[r] = i
-        while heads_to_check:
-            r = heads_to_check.pop()
+        while heads:
+            r = heads.pop()
             b = head[r]
             if b >= posted[r]:
                 continue
-            for j, (r2, b2, j2) in enumerate(partner[r][b]):
-                if done[r][b][j] or b2 != head[r2] or b2 >= posted[r2]:
+            for key, r2, is_send in batch_keys[r][b]:
+                if paired[key]:
                     continue
-                done[r][b][j] = done[r2][b2][j2] = True
+                b2 = recv_batch[key] if is_send else send_batch[key]
+                if b2 != head[r2] or b2 >= posted[r2]:
+                    continue
+                paired[key] = 1
                 pending[r][b] -= 1
                 pending[r2][b2] -= 1
                 if pending[r2][b2] == 0 and r2 != r:
                     head[r2] += 1
-                    heads_to_check.append(r2)
+                    heads.append(r2)
                     ranks_to_run.append(r2)
             if pending[r][b] == 0 and head[r] == b:
                 head[r] += 1
-                heads_to_check.append(r)
+                heads.append(r)
                 ranks_to_run.append(r)
 
-    stuck = [r for r in range(P) if pc[r] < len(progs[r]) or head[r] < len(batches[r])]
+    stuck = [r for r in range(P) if pc[r] < len(progs[r]) or head[r] < len(batch_keys[r])]
     if stuck:
         lines = []
         for r in stuck:
             if pc[r] < len(progs[r]):
-                b = wait_for[r][pc[r]]
-                peers = sorted({cm.peer for cm in batches[r][b].ops}) if 0 <= b < len(batches[r]) else []
-                lines.append(f"rank {r} instruction {pc[r]} {progs[r][pc[r]]} waits for comm batch {b} "
-                             f"(peers {peers}) to complete")
+                key, other = stuck_on[r]
+                lines.append(f"rank {r} instruction {pc[r]} {progs[r][pc[r]]} waits for comm batch {recv_batch[key]} "
+                             f"(the receive of {_data_name(key, S, M)} from rank {other}) to complete")
             else:
-                b = head[r]
-                lines.append(f"rank {r} comm batch {b} {batches[r][b]} never completes")
+                lines.append(f"rank {r} comm batch {head[r]} never completes")
         raise ScheduleError("deadlock under rendezvous point-to-point semantics:\n  " + "\n  ".join(lines))
