@@ -1,5 +1,129 @@
-"""Placeholder: this subcommand is being written (register adds nothing yet)."""
+"""``mt-dualpipe plan``: rank parallel strategies for a model on a modelled cluster (nothing is launched)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..schedules.errors import ScheduleError
 
 
-def register(subparsers) -> None:  # noqa: ARG001
-    return None
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="rank pipeline / expert / data parallel layouts for a model on a modelled cluster",
+        description="Enumerate pipeline size, schedule, micro-batches and expert/data-parallel splits; estimate "
+                    "step time (compute/communication model + the schedule simulator) and peak memory per GPU; "
+                    "print the best. The cluster is a model: nothing is launched.")
+    p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--system", default="h800", help="h800, h100, a100 or a SimuMax system JSON (default h800)")
+    p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GB (overrides the system)")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="dense BF16 TFLOPS per GPU (FP8: twice that)")
+    p.add_argument("--net-gbps", type=float, default=None, help="inter-node bandwidth per GPU in Gbit/s (e.g. 400)")
+    p.add_argument("--nvlink-gbs", type=float, default=None, help="intra-node bandwidth per GPU in GB/s")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default from the system: 8)")
+    p.add_argument("--strategy", default=None, help="SimuMax strategy JSON: fixes pp_size, ep_size, "
+                   "micro_batch_size, seq_len, zero_state, dtype, enable_recompute where given")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's or 4096)")
+    p.add_argument("--mbs", type=_int_list, default=None, help="micro-batch sizes to try, e.g. 1,2 (default 1)")
+    p.add_argument("--pp", type=_int_list, default=None, help="pipeline sizes to try (default: divisors <= 32)")
+    p.add_argument("--ep", type=_int_list, default=None, help="expert-parallel sizes to try (default: all valid)")
+    p.add_argument("--schedules", default=None, help="schedules to try, comma-separated (default: all hand ones)")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective")
+    p.add_argument("--zero", type=int, choices=(0, 1), default=1, help="ZeRO stage for the optimizer state")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
+    p.set_defaults(func=cmd_plan)
+
+
+def _system(args: argparse.Namespace):
+    from ..planner.system import load_system, parse_size_gb
+
+    system = load_system(args.system)
+    changes: dict = {}
+    if args.gpu_memory is not None:
+        changes["gpu_memory_gb"] = parse_size_gb(args.gpu_memory)
+    if args.gpu_tflops is not None:
+        if args.gpu_tflops <= 0:
+            raise ScheduleError(f"--gpu-tflops must be positive, got {args.gpu_tflops}")
+        changes["tflops_bf16"] = args.gpu_tflops
+        changes["tflops_fp8"] = 2 * args.gpu_tflops
+    if args.net_gbps is not None:
+        if args.net_gbps <= 0:
+            raise ScheduleError(f"--net-gbps must be positive, got {args.net_gbps}")
+        changes["inter_gbs"] = args.net_gbps / 8
+    if args.nvlink_gbs is not None:
+        changes["intra_gbs"] = args.nvlink_gbs
+    if args.gpus_per_node is not None:
+        changes["gpus_per_node"] = args.gpus_per_node
+    return system.replace(**changes)
+
+
+def strategy_options(path: str | None) -> dict:
+    """Options fixed by a SimuMax strategy JSON (only the keys it gives)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ScheduleError(f"cannot read strategy JSON {path!r}: {exc}") from exc
+    if data.get("tp_size", 1) != 1:
+        raise ScheduleError(f"tensor parallelism is not modelled: the strategy has tp_size={data['tp_size']}, "
+                            "allowed: 1")
+    out: dict = {}
+    if "pp_size" in data:
+        out["pp"] = [int(data["pp_size"])]
+    if "ep_size" in data:
+        out["ep"] = [int(data["ep_size"])]
+    if "micro_batch_size" in data:
+        out["micro_batch_sizes"] = (int(data["micro_batch_size"]),)
+    if "seq_len" in data:
+        out["seq_len"] = int(data["seq_len"])
+    if "zero_state" in data:
+        out["zero"] = min(1, int(data["zero_state"]))
+    if data.get("dtype") in ("bf16", "fp8"):
+        out["dtype"] = data["dtype"]
+    if "enable_recompute" in data:
+        out["recompute"] = "selective" if data["enable_recompute"] else "none"
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ..planner import ModelSpec, plan
+    from ..planner.report import print_plan, write_json
+
+    model = ModelSpec.load(args.model)
+    system = _system(args)
+    options = strategy_options(args.strategy)
+    if args.pp:
+        options["pp"] = args.pp
+    if args.ep:
+        options["ep"] = args.ep
+    if args.mbs:
+        options["micro_batch_sizes"] = tuple(args.mbs)
+    if args.seq_len:
+        options["seq_len"] = args.seq_len
+    if args.dtype:
+        options["dtype"] = args.dtype
+    options.setdefault("recompute", args.recompute)
+    options.setdefault("zero", args.zero)
+    if args.schedules:
+        options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    result = plan(model, system, args.gpus, args.global_batch, **options)
+    print_plan(result, args.top)
+    if args.json_path:
+        write_json(result, args.json_path, max(args.top, 20))
+    return 0 if result.ranked else 1

@@ -1,5 +1,111 @@
-"""Placeholder: this subcommand is being written (register adds nothing yet)."""
+"""``render``: draw one schedule's simulation, or a measured run, to a file or the terminal.
+
+    mt-dualpipe render NAME -p P -m M -o out.svg|out.png|out.json [--costs f,b,w[,fb[,comm]]]
+    mt-dualpipe render NAME -p P -m M --deps -o deps.svg      # which op waits on which
+    mt-dualpipe render --timeline run.json -o run.svg [--against NAME]
+
+Without ``-o`` the diagram is printed to the terminal. ``--against`` simulates the named schedule
+for the run's P and M, with costs measured from the run itself unless ``--costs`` is given, and
+draws it beneath the run on the same time scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..schedules import Costs, ScheduleError, build_schedule, schedule_info, simulate
+from ..schedules.ir import Schedule
+from ..schedules.timeline import Timeline
 
 
-def register(subparsers) -> None:  # noqa: ARG001
-    return None
+def _build(name: str, ranks: int, microbatches: int, virtual_stages: int | None) -> Schedule:
+    opts = {}
+    if virtual_stages is not None:
+        if "virtual_stages" not in schedule_info(name).options:
+            raise ScheduleError(f"--virtual-stages applies to schedules with chunks per rank "
+                                f"(e.g. interleaved-1f1b), not {name!r}")
+        opts["virtual_stages"] = virtual_stages
+    return build_schedule(name, ranks, microbatches, **opts)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if (args.name is None) == (args.timeline is None):
+        raise ScheduleError("render needs a schedule NAME (with -p and -m) or --timeline run.json, not both")
+    if args.name is not None and (args.ranks is None or args.microbatches is None):
+        raise ScheduleError(f"render {args.name} needs -p RANKS and -m MICROBATCHES")
+    if args.timeline is not None and (args.ranks is not None or args.microbatches is not None):
+        raise ScheduleError("-p/-m come from the timeline file with --timeline; leave them out")
+    if args.against is not None and args.timeline is None:
+        raise ScheduleError("--against NAME draws a simulation beneath a measured run: it needs --timeline")
+    if args.deps and args.timeline is not None:
+        raise ScheduleError("--deps draws a schedule's dependency graph: give a NAME, not --timeline")
+    if args.deps and args.output is None:
+        raise ScheduleError("--deps needs -o FILE (.svg, .png, .pdf or .dot)")
+
+
+def _load_timeline(path: str) -> Timeline:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScheduleError(f"cannot read timeline {path!r}: {exc.strerror}") from exc
+    return Timeline.from_json(text)
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from ..visualize import GraphvizNotFound, costs_from_timeline, dependency_graph, render_file, terminal_view
+
+    _check(args)
+    schedule = against = metrics = None
+    try:
+        if args.timeline is not None:
+            timeline = _load_timeline(args.timeline)
+            if args.against is not None:
+                costs = Costs.parse(args.costs) if args.costs else costs_from_timeline(timeline)
+                sched = _build(args.against, timeline.num_ranks, timeline.num_microbatches, args.virtual_stages)
+                against = simulate(sched, costs).to_timeline()
+                if timeline.source == "measured":
+                    against.meta["time_unit"] = "s"  # costs are in the run's seconds
+        else:
+            schedule = _build(args.name, args.ranks, args.microbatches, args.virtual_stages)
+            if args.deps:
+                print(f"wrote {dependency_graph(schedule, args.output)}")
+                return 0
+            metrics = simulate(schedule, Costs.parse(args.costs or "1,1,1"))
+            timeline = metrics.to_timeline()
+        if args.output is None:
+            from rich.console import Console
+
+            console = Console(width=args.width) if args.width else Console()
+            console.print(terminal_view(timeline, width=args.width, metrics=metrics))
+            if against is not None:
+                console.print(terminal_view(against, width=args.width))
+            return 0
+        print(f"wrote {render_file(args.output, timeline, title=args.title, against=against, schedule=schedule)}")
+    except GraphvizNotFound as exc:
+        print(f"mt-dualpipe: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "render", help="draw a schedule or a measured run (.svg/.png to scale, .json Chrome trace, or terminal)",
+        description="Draw a schedule's simulation or a recorded run. The output format follows -o's extension: "
+                    ".svg/.png/.pdf to scale (graphviz), .dot (graphviz source), .json (Chrome/Perfetto trace); "
+                    "without -o the diagram is printed to the terminal.")
+    p.add_argument("name", nargs="?", default=None, help="schedule name (see `mt-dualpipe list`)")
+    p.add_argument("-p", "--ranks", type=int, default=None, help="pipeline ranks (devices)")
+    p.add_argument("-m", "--microbatches", type=int, default=None, help="micro-batches per step")
+    p.add_argument("-o", "--output", default=None, help="output file: .svg, .png, .pdf, .dot or .json")
+    p.add_argument("--costs", default=None,
+                   help="f,b,w[,fb[,comm]] per stage (default 1,1,1; with --against: measured from the run)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank (interleaved-1f1b)")
+    p.add_argument("--timeline", default=None, help="a recorded run (mt-dualpipe.timeline/1 JSON) to draw")
+    p.add_argument("--against", default=None, metavar="NAME",
+                   help="with --timeline: also draw NAME's simulation beneath the run, on the same scale")
+    p.add_argument("--deps", action="store_true", help="draw the dependency graph (which op waits on which)")
+    p.add_argument("--title", default=None, help="diagram title (default: schedule, P and M)")
+    p.add_argument("--width", type=int, default=None, help="terminal width for the terminal view")
+    p.set_defaults(func=cmd_render)

@@ -1,0 +1,14 @@
+"""The runtime: executes one rank's lowered ``Program`` on torch.distributed.
+
+``Pipeline``, ``DualPipe`` and ``DualPipeV`` (in ``modules``) are the entry points; ``run_backward``
+and ``WeightGradStore`` are what an ``overlapped_forward_backward`` hook or a layer with a deferred
+weight gradient uses. Importable on CPU without CUDA.
+"""
+
+from .backward import run_backward
+from .errors import PipelineError, PipelineTimeoutError
+from .modules import DualPipe, DualPipeV, Pipeline
+from .weight_grad import WeightGradStore
+
+__all__ = ["Pipeline", "DualPipe", "DualPipeV", "run_backward", "WeightGradStore", "PipelineError",
+           "PipelineTimeoutError"]

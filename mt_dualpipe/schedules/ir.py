@@ -114,7 +114,8 @@ class Schedule:
             )
         if len(self.microbatch_chain) != self.num_microbatches:
             raise ScheduleError(
-                f"microbatch_chain has {len(self.microbatch_chain)} entries, expected num_microbatches={self.num_microbatches}"
+                f"microbatch_chain has {len(self.microbatch_chain)} entries, "
+                f"expected num_microbatches={self.num_microbatches}"
             )
 
     # ----- placement queries -------------------------------------------------------------------
