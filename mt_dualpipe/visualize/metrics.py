@@ -1,0 +1,113 @@
+"""Per-rank figures computed from a timeline alone (so measured runs get the same numbers).
+
+The simulator already reports these for simulated runs (``SimResult``); a recorded run only has
+its events, so the diagrams recompute makespan, idle time and peak activations from them using the
+rules of SCHEDULES.md: an activation is +1 when a stage's F runs and -1 when its W or BW finishes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..schedules.costs import Costs
+from ..schedules.simulate import SimResult
+from ..schedules.timeline import Timeline, TimelineEvent
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a diagram prints about one timeline."""
+
+    name: str
+    num_ranks: int
+    num_microbatches: int
+    makespan: float
+    busy: list[float]
+    bubble: list[float]  # makespan bubble per rank
+    bubble_rate: float
+    peak_activations: list[int]
+
+    @property
+    def bubble_percent(self) -> list[float]:
+        return [100.0 * b / self.makespan if self.makespan else 0.0 for b in self.bubble]
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_activations, default=0)
+
+    @classmethod
+    def from_sim(cls, result: SimResult) -> Summary:
+        return cls(result.name, result.num_ranks, result.num_microbatches, result.makespan, list(result.busy),
+                   list(result.makespan_bubble), result.bubble_rate, list(result.peak_activations))
+
+    @classmethod
+    def from_timeline(cls, timeline: Timeline) -> Summary:
+        P = timeline.num_ranks
+        per_rank = events_by_rank(timeline)
+        makespan = timeline.makespan
+        busy = [sum(e.end - e.start for e in per_rank[r]) for r in range(P)]
+        bubble = [makespan - b for b in busy]
+        rate = sum(bubble) / (P * makespan) if makespan and P else 0.0
+        return cls(timeline.name, P, timeline.num_microbatches, makespan, busy, bubble, rate,
+                   [peak_activations(per_rank[r]) for r in range(P)])
+
+
+def events_by_rank(timeline: Timeline, lane: str = "compute") -> list[list[TimelineEvent]]:
+    """The events of ``lane`` grouped per rank, each list sorted by start time."""
+    rows: list[list[TimelineEvent]] = [[] for _ in range(timeline.num_ranks)]
+    for e in timeline.events:
+        if e.lane == lane:
+            if not 0 <= e.rank < timeline.num_ranks:
+                from ..schedules.errors import ScheduleError
+
+                raise ScheduleError(f"timeline event {e} names rank {e.rank}, but num_ranks={timeline.num_ranks}")
+            rows[e.rank].append(e)
+    for row in rows:
+        row.sort(key=lambda e: (e.start, e.end))
+    return rows
+
+
+def peak_activations(rank_events: list[TimelineEvent]) -> int:
+    """Peak in-flight activations of one rank's compute events (sorted by start)."""
+    live = peak = 0
+    for e in rank_events:
+        if e.op in ("F", "FB"):
+            live += 1
+            peak = max(peak, live)
+        back = e.pair[0] if e.pair is not None else e.op
+        if back in ("W", "BW"):
+            live -= 1
+    return peak
+
+
+def start_time(timeline: Timeline) -> float:
+    """Time origin of a drawing: the earliest start of any event (measured runs are not at 0)."""
+    return min((e.start for e in timeline.events), default=0.0)
+
+
+def costs_from_timeline(timeline: Timeline) -> Costs:
+    """Mean measured duration of each op kind, as ``Costs`` to simulate the same schedule against.
+
+    W is 0 when the run never split a backward (then BW's time goes to B); ``fb`` is the mean of FB
+    units that pair an F with a full backward, when there are any.
+    """
+    durations: dict[str, list[float]] = defaultdict(list)
+    for e in timeline.compute_events():
+        key = "FB" + e.pair[0] if e.pair is not None else e.op
+        durations[key].append(e.end - e.start)
+
+    def mean(key: str) -> float | None:
+        vals = durations.get(key)
+        return sum(vals) / len(vals) if vals else None
+
+    f = mean("F") or 0.0
+    w = mean("W") or 0.0
+    b = mean("B")
+    if b is None:
+        bw = mean("BW")
+        b = max(0.0, bw - w) if bw is not None else 0.0
+    fb = mean("FBBW")
+    if fb is None and mean("FBB") is not None:
+        fb = mean("FBB") + w
+    return Costs(f, b, w, fb=fb)

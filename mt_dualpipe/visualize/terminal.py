@@ -1,0 +1,188 @@
+"""The terminal view: one row per rank, time left to right, drawn with rich.
+
+Time is scaled to the available width. An op wide enough to hold its micro-batch number shows it;
+narrower ops are plain coloured cells, and a column shorter than any op (huge schedules) takes
+the colour of the kind that fills most of it, so a 64 x 1024 run still fits on one screen. Idle
+time is blank. Ranks beyond ``max_ranks`` are summarised in one line instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console, Group
+from rich.style import Style
+from rich.text import Text
+
+from ..schedules.simulate import SimResult
+from ..schedules.timeline import Timeline, TimelineEvent
+from .metrics import Summary, events_by_rank, start_time
+from .style import KIND_NAMES, KINDS, cell_label, colour, fmt_time
+
+MIN_COLUMNS = 10
+_SUFFIX = "   idle  peak"  # what follows the row's closing bar: f"{idle:6.1f}%{peak:>6}"
+
+
+def _style(kind: str, chain: int, shade: int = 0) -> Style:
+    """Cell style; ``shade=1`` is a slightly darker variant that separates touching same-kind cells."""
+    hex_colour = colour(kind, chain)
+    if shade:
+        rgb = [int(hex_colour[i:i + 2], 16) * 85 // 100 for i in (1, 3, 5)]
+        hex_colour = "#" + "".join(f"{v:02x}" for v in rgb)
+    return Style(color="black", bgcolor=hex_colour)
+
+
+def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int) -> list[tuple[str, Style | None]]:
+    """Characters and styles of one rank's row of ``ncols`` columns."""
+    chars = [" "] * ncols
+    styles: list[Style | None] = [None] * ncols
+    tiny: dict[int, dict[tuple[str, int], float]] = {}
+    prev_end, prev_key, shade = -1, None, 0
+    for e in events:
+        a, b = (e.start - t0) * scale, (e.end - t0) * scale
+        key = (e.op, e.chain)
+        if b - a >= 1.0:  # at least one column: a cell of its own
+            c0, c1 = min(round(a), ncols), min(round(b), ncols)
+            shade = 1 - shade if (c0 == prev_end and key == prev_key) else 0
+            prev_end, prev_key = c1, key
+            st = _style(e.op, e.chain, shade)
+            for c in range(c0, c1):
+                styles[c], chars[c] = st, " "
+            label = cell_label(e)
+            if len(label) <= c1 - c0:
+                at = c0 + (c1 - c0 - len(label)) // 2
+                chars[at:at + len(label)] = label
+            continue
+        col = int(a)  # narrower than a column: add its share to the columns it touches
+        while a < b and col < ncols:
+            nxt = min(b, col + 1.0)
+            share = tiny.setdefault(col, {})
+            share[key] = share.get(key, 0.0) + (nxt - a)
+            a, col = nxt, col + 1
+    for col, share in tiny.items():
+        if styles[col] is None and sum(share.values()) >= 0.5:
+            kind, chain = max(share, key=share.__getitem__)
+            styles[col] = _style(kind, chain)
+    return list(zip(chars, styles, strict=True))
+
+
+def _append_cells(text: Text, cells: list[tuple[str, Style | None]]) -> None:
+    """Append cells to ``text``, merging runs of one style into one span."""
+    i = 0
+    while i < len(cells):
+        j = i
+        while j < len(cells) and cells[j][1] == cells[i][1]:
+            j += 1
+        text.append("".join(c for c, _ in cells[i:j]), style=cells[i][1])
+        i = j
+
+
+def _nice_step(span: float, ncols: int, min_gap: int = 10) -> float:
+    """A 1/2/5 x 10^k tick step that leaves at least ``min_gap`` columns between ticks."""
+    if span <= 0:
+        return 1.0
+    raw = span * min_gap / ncols
+    base = 10 ** math.floor(math.log10(raw))
+    for mult in (1, 2, 5, 10):
+        if base * mult >= raw:
+            return base * mult
+    return base * 10
+
+
+def _axis(label_w: int, span: float, scale: float, ncols: int) -> Text:
+    line = [" "] * ncols
+    step = _nice_step(span, ncols)
+    k = 0
+    while k * step <= span + 1e-9:
+        tick = fmt_time(k * step)
+        col = round(k * step * scale)
+        if col + len(tick) <= ncols and all(ch == " " for ch in line[max(0, col - 1):col + len(tick)]):
+            line[col:col + len(tick)] = tick
+        k += 1
+    return Text(" " * (label_w + 1) + "".join(line), style="dim", no_wrap=True, overflow="crop")
+
+
+def _legend(timeline: Timeline, width: int) -> list[Text]:
+    """Swatches of the kinds present (chain 1's tints after them), wrapped to ``width``."""
+    present = {(e.op, e.chain % 2) for e in timeline.compute_events()}
+    kinds = [kind for kind in KINDS if (kind, 0) in present or (kind, 1) in present]
+    entries = [(f" {kind} ", _style(kind, 0), f" {KIND_NAMES[kind]}  ") for kind in kinds]
+    chain1 = [kind for kind in kinds if (kind, 1) in present]
+    if chain1:
+        entries.append(("", None, "chain 1 (reverse direction): "))
+        entries += [(f" {kind} ", _style(kind, 1), " ") for kind in chain1]
+    lines = [Text(no_wrap=True, overflow="crop")]
+    for swatch, style, name in entries:
+        if lines[-1].cell_len and lines[-1].cell_len + len(swatch) + len(name) > width:
+            lines.append(Text(no_wrap=True, overflow="crop"))
+        lines[-1].append(swatch, style=style)
+        lines[-1].append(name)
+    for line in lines:
+        line.rstrip()
+    return lines
+
+
+def _metrics_line(summary: Summary) -> Text:
+    peaks = summary.peak_activations
+    if len(peaks) <= 16:
+        per_rank = " ".join(str(p) for p in peaks)
+        peak_text = f"peak activations {summary.peak} (per rank: {per_rank})"
+    else:
+        peak_text = f"peak activations {summary.peak} (per rank: min {min(peaks)}, max {max(peaks)})"
+    return Text(f"makespan {fmt_time(summary.makespan)} · bubble rate {100 * summary.bubble_rate:.2f}% · {peak_text}",
+                no_wrap=True, overflow="crop")
+
+
+def _shown_ranks(num_ranks: int, max_ranks: int) -> tuple[list[int], int]:
+    """Ranks to draw and the position of the 'n more ranks' line (-1 when every rank is drawn)."""
+    if num_ranks <= max_ranks:
+        return list(range(num_ranks)), -1
+    head = max_ranks // 2
+    tail = max_ranks - head
+    return list(range(head)) + list(range(num_ranks - tail, num_ranks)), head
+
+
+def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | None = None,
+                  metrics: SimResult | None = None, max_ranks: int = 32):
+    """A rich renderable of ``timeline``: rank rows scaled to ``width`` columns, a legend and metrics.
+
+    ``width`` defaults to the terminal's; ``metrics`` (the simulation result) supplies the numbers,
+    otherwise they are computed from the events. More than ``max_ranks`` ranks are summarised.
+    """
+    if width is None:
+        width = Console().width
+    P = timeline.num_ranks
+    summary = Summary.from_sim(metrics) if metrics is not None else Summary.from_timeline(timeline)
+    label_w = len(f"r{P - 1}") + 1
+    ncols = max(MIN_COLUMNS, width - label_w - 2 - len(_SUFFIX))  # two bars around the time columns
+    t0 = start_time(timeline)
+    span = max((e.end for e in timeline.compute_events()), default=t0) - t0
+    scale = ncols / span if span > 0 else 0.0
+    rows = events_by_rank(timeline)
+
+    if title is None:
+        title = f"{timeline.name}  P={P} M={timeline.num_microbatches}"
+        if timeline.meta.get("costs"):
+            title += f"  {timeline.meta['costs']}"
+        if timeline.source == "measured":
+            title += "  (measured, seconds)"
+    lines: list[Text] = [Text(title, style="bold", no_wrap=True, overflow="crop"),
+                         Text(" " * (label_w + ncols + 2) + _SUFFIX, style="dim", no_wrap=True, overflow="crop")]
+    shown, gap_at = _shown_ranks(P, max_ranks)
+    pct = summary.bubble_percent
+    for i, r in enumerate(shown):
+        if i == gap_at:
+            hidden = [q for q in range(P) if q not in set(shown)]
+            lo, hi = min(pct[q] for q in hidden), max(pct[q] for q in hidden)
+            pk = [summary.peak_activations[q] for q in hidden]
+            lines.append(Text(f"{'⋮':>{label_w}} {len(hidden)} more ranks (r{hidden[0]}..r{hidden[-1]}): "
+                              f"idle {lo:.1f}..{hi:.1f}%, peak {min(pk)}..{max(pk)}",
+                              style="dim", no_wrap=True, overflow="crop"))
+        line = Text(f"{'r' + str(r):<{label_w}}│", no_wrap=True, overflow="crop")
+        _append_cells(line, _row_cells(rows[r], t0, scale, ncols))
+        line.append(f"│{pct[r]:6.1f}%{summary.peak_activations[r]:>6}")
+        lines.append(line)
+    lines.append(_axis(label_w, span, scale, ncols))
+    lines.extend(_legend(timeline, width))
+    lines.append(_metrics_line(summary))
+    return Group(*lines)
