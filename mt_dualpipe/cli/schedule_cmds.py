@@ -50,25 +50,25 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token(item: Op | FB, two_chains: bool) -> Text:
+def _token(item: Op | FB, first_stage: tuple[int, int]) -> Text:
+    """One op as a coloured token; ops of a rank's second stage (chain 1, or a V's way back) are lighter."""
     if type(item) is FB:
-        t = Text(f"{item.f.mb}|{item.b.mb}", style=OP_STYLE["FB"])
-        return t
-    style = (CHAIN1_STYLE if two_chains and item.chain == 1 else OP_STYLE)[item.kind]
+        return Text(f"{item.f.mb}|{item.b.mb}", style=OP_STYLE["FB"])
+    style = (OP_STYLE if (item.chain, item.stage) == first_stage else CHAIN1_STYLE)[item.kind]
     label = {"F": "F", "B": "B", "W": "W", "BW": "b"}[item.kind]
     return Text(f"{label}{item.mb}", style=style)
 
 
 def op_grid(schedule: Schedule) -> Table:
     """Each rank's op sequence (order, not time) as a row of coloured tokens."""
-    two = schedule.num_chains > 1
     grid = Table.grid(padding=(0, 1))
     grid.add_column(justify="right", style="bold")
     grid.add_column()
     for r, ops in enumerate(schedule.ranks):
+        first = schedule.local_stages(r)[0] if schedule.local_stages(r) else (-1, -1)
         row = Text()
         for item in ops:
-            row.append_text(_token(item, two))
+            row.append_text(_token(item, first))
             row.append(" ")
         grid.add_row(f"rank {r}", row)
     return grid
@@ -92,15 +92,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     result = simulate(schedule, costs)
     console.print(f"[bold]{schedule.name}[/] P={schedule.num_ranks} M={schedule.num_microbatches} "
                   f"costs: {costs.describe()}")
+    console.print("[bold]order per rank[/] (F forward, B input-grad, W weight-grad, b full backward, f|b F&B pair):")
     console.print(op_grid(schedule))
-    legend = Text("legend: ")
-    for kind, label in (("F", "F forward"), ("B", "B input-grad"), ("W", "W weight-grad"), ("BW", "b full backward"),
-                        ("FB", "f|b overlapped F&B")):
-        legend.append(f" {label} ", style=OP_STYLE[kind])
-        legend.append(" ")
-    if schedule.num_chains > 1:
-        legend.append(" lighter: chain 1 (reverse direction) ", style=CHAIN1_STYLE["F"])
-    console.print(legend)
+    from ..visualize import terminal_view
+
+    console.print(terminal_view(result.to_timeline(), title=f"{schedule.name} timeline", metrics=result))
     console.print(metrics_table(result))
     return 0
 
