@@ -1,0 +1,153 @@
+"""FP8Linear: ``nn.Linear`` with the three GEMMs in block-scaled E4M3 and a deferrable weight gradient.
+
+Forward ``y = x Wᵀ``: x in 1×128 tiles along in_features, W in 128×128 blocks. Backward for the
+input ``dx = dy W``: dy in 1×128 tiles along out_features, the same W blocks transposed. Backward for
+the weight ``dW = dyᵀ x``: both operands tiled along the tokens (DeepSeek-V3's 128×1 tiles); x is
+kept in FP8 from the forward (1×128 tiles) and re-quantised along the tokens when dW runs, as the
+DeepSeek-V3 report describes. All GEMMs accumulate in FP32; the bias, the master weight and its
+gradient stay in the parameter's dtype.
+
+The weight-gradient GEMM is the ``W`` of the zero-bubble B/W split: when the runtime runs a B with
+a ``WeightGradStore`` active, backward returns only the input gradient and queues a closure that
+computes ``dW`` (and the bias gradient) and accumulates it into ``.grad`` when ``W`` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mt_dualpipe.runtime.weight_grad import WeightGradStore
+
+from .backends import BACKENDS, Gemm, resolve_gemm
+from .quantize import QTensor, dequantize, quantize_blocks, quantize_tiles
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _deferrable(param: torch.Tensor | None, wanted: bool) -> bool:
+    """A gradient can be queued only for a leaf parameter (its ``.grad`` is where autograd puts it)."""
+    return not wanted or (param is not None and param.is_leaf)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                wq: QTensor, gemm: Gemm) -> torch.Tensor:
+        lead = x.shape[:-1]
+        xq = quantize_tiles(x.reshape(-1, x.shape[-1]))
+        y = gemm(xq, wq)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
+        ctx.gemm, ctx.x_shape, ctx.x_dtype = gemm, x.shape, x.dtype
+        ctx.weight, ctx.bias = weight, bias  # the parameters themselves: a deferred W writes their .grad
+        return y.to(x.dtype).reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        gemm, weight, bias = ctx.gemm, ctx.weight, ctx.bias
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm(quantize_tiles(dy), QTensor(w_data, w_scale, "block").t())
+            dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if not (want_w or want_b):
+            return dx, None, None, None, None
+
+        def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            dw = db = None
+            if want_w:
+                x = dequantize(QTensor(x_data, x_scale, "tile"))
+                dw = gemm(quantize_tiles(dy.t()), quantize_tiles(x.t()))
+            if want_b:
+                db = dy.float().sum(dim=0)
+            return dw, db
+
+        store = WeightGradStore.active()
+        if store is not None and _deferrable(weight, want_w) and _deferrable(bias, want_b):
+            def run_w() -> None:
+                dw, db = weight_grads()
+                if dw is not None:
+                    _accumulate(weight, dw)
+                if db is not None:
+                    _accumulate(bias, db)
+
+            store.put(run_w)
+            return dx, None, None, None, None
+        dw, db = weight_grads()
+        return (dx, None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None)
+
+
+class FP8Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` (same parameters, init and state dict) computing in block-scaled FP8.
+
+    ``backend``: ``"auto"`` (block-scaled ``scaled_mm`` where the device has it, else the emulation),
+    ``"scaled_mm"`` (error where unavailable) or ``"emulated"``. The master weight stays in its dtype;
+    its FP8 copy is cached and re-quantised whenever the weight changes (in-place optimizer steps
+    included), so micro-batches of one step quantise it once. Outputs and input gradients come back
+    in the input's dtype.
+
+    Non-finite values: an inf or NaN anywhere in a 1×128 tile of the input (or of the output
+    gradient) or in a 128×128 block of the weight turns that tile into NaN, so every output element
+    it contributes to is NaN (never a saturated ±448 stand-in); see ``quantize.py``.
+
+    Deferred weight gradients bypass autograd's accumulation (they are written to ``.grad`` when W
+    runs), so gradient hooks registered on the parameters do not see them.
+    """
+
+    supports_deferred_weight_grad = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: torch.dtype | None = None, backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.backend = backend
+        self._wq_key: tuple | None = None
+        self._wq: QTensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str = "auto") -> FP8Linear:
+        """An FP8Linear that shares ``linear``'s parameter objects (optimizers built before still work)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                  backend=backend)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def quantized_weight(self) -> QTensor:
+        """The 128×128-block E4M3 copy of the current weight (cached per weight version)."""
+        w = self.weight
+        key = (id(w), w._version, w.device, w.dtype)
+        if self._wq is None or self._wq_key != key:
+            with torch.no_grad():
+                self._wq = quantize_blocks(w.detach())
+            self._wq_key = key
+        return self._wq
+
+    @property
+    def active_backend(self) -> str:
+        """The GEMM this layer runs on its weight's device: ``scaled_mm`` or ``emulated``."""
+        return resolve_gemm(self.weight.device, self.backend)[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expects inputs with last dimension {self.in_features}, got {tuple(x.shape)}")
+        _, gemm = resolve_gemm(x.device, self.backend)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.quantized_weight(), gemm)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend}"
