@@ -1,0 +1,152 @@
+"""The whole DeepSeek-V3 model in one module: the single-process reference the pipeline must match.
+
+Stages (``stages.py``) are built from the same ``Block`` / ``MTPModule`` classes and copy weights
+from this model by state-dict key, so a stage's parameter names are a subset of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DeepSeekV3Config
+from .mla import MLA, RMSNorm
+from .moe import MLP, MoE
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: MLA attention, then a dense SwiGLU FFN or DeepSeekMoE."""
+
+    def __init__(self, layer_id: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = MLA(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else MLP(config.dim, config.inter_dim)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoE)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth: h'_i = W[RMSNorm(h_i); RMSNorm(Emb(t_{i+k}))] -> one block.
+
+    The embedding and output head are the main model's (passed in, not owned); only the two
+    norms, the projection, the block and the head's input norm belong to this module.
+    """
+
+    def __init__(self, depth: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.hnorm = RMSNorm(config.dim, config.norm_eps)
+        self.enorm = RMSNorm(config.dim, config.norm_eps)
+        self.proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.block = Block(config.n_layers + depth - 1, config, ep_group)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.block(self.proj(torch.cat([self.hnorm(h), self.enorm(emb)], dim=-1)))
+
+
+class LossParts(NamedTuple):
+    total: torch.Tensor  # main + λ/D · Σ_k mtp_k  (the balance loss enters through its gradient)
+    main: torch.Tensor
+    mtp: list[torch.Tensor]
+
+
+def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Embedding, norm: nn.Module,
+                          head: nn.Linear, mtp: nn.ModuleList, config: DeepSeekV3Config) -> LossParts:
+    """Next-token loss on h plus the MTP losses; ``labels[:, i]`` is token i+1.
+
+    Depth k sees positions 0..T-k-1: it combines h^{k-1}_i with Emb(t_{i+k}) = Emb(labels[:, i+k-1])
+    and predicts t_{i+k+1} = labels[:, i+k].
+    """
+    seq = labels.size(1)
+    if len(mtp) >= seq:
+        raise ValueError(f"sequence length {seq} must exceed the MTP depth {len(mtp)}")
+    logits = head(norm(h))
+    main = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    mtp_losses, prev = [], h
+    for k, module in enumerate(mtp, start=1):
+        n = seq - k
+        prev = module(prev[:, :n], embed(labels[:, k - 1:k - 1 + n]))
+        logits_k = head(module.norm(prev))
+        mtp_losses.append(F.cross_entropy(logits_k.flatten(0, 1).float(), labels[:, k:k + n].flatten()))
+    total = main
+    if mtp_losses:
+        total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()
+    return LossParts(total, main, mtp_losses)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """Normal(0, std) for every projection, embedding and gate (report §4.2); norms stay at one."""
+    from .moe import Gate
+
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
+            nn.init.normal_(m.weight, 0.0, std)
+
+
+@contextmanager
+def deferred_init() -> Iterator[None]:
+    """Skip nn.Linear / nn.Embedding default init while building: ``init_weights`` overwrites it anyway,
+    and on the meta device the 671B model then builds in seconds instead of a minute."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+class DeepSeekV3Model(nn.Module):
+    """Embedding, ``n_layers`` blocks (the first ``n_dense_layers`` dense), final norm, head, MTP."""
+
+    def __init__(self, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        with deferred_init():
+            self.embed = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in range(config.n_layers)})
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+            self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+        init_weights(self, config.init_std)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.layers.values():
+            h = block(h)
+        return h
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) without labels; the training loss (main + MTP) with them."""
+        h = self.hidden(tokens)
+        if labels is None:
+            return self.head(self.norm(h))
+        return self.losses(h, labels).total
+
+    def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
+        return language_model_losses(h, labels, embed=self.embed, norm=self.norm, head=self.head, mtp=self.mtp,
+                                     config=self.config)
+
+    def num_parameters(self, part: str = "main") -> int:
+        """``"main"``: everything but the MTP modules; ``"mtp"``: the MTP modules' own parameters."""
+        if part not in ("main", "mtp"):
+            raise ValueError(f"part must be 'main' or 'mtp', got {part!r}")
+        mtp = sum(p.numel() for p in self.mtp.parameters())
+        return mtp if part == "mtp" else sum(p.numel() for p in self.parameters()) - mtp

@@ -1,0 +1,190 @@
+"""DeepSeekMoE: shared + routed experts, sigmoid gating, group-limited top-k, two balancing terms.
+
+Routing (report §2.1.2): affinities s = sigmoid(u·e); a per-expert bias b is added *only to pick*
+experts (groups scored by the sum of their two best biased affinities, the best
+``n_limited_groups`` kept, top-k inside them); the gate weights are the unbiased affinities of the
+chosen experts, normalised to sum 1 and scaled by ``route_scale``. After each optimizer step
+``update_expert_bias`` moves b by γ·sign(mean load − load) (auxiliary-loss-free balancing).
+A small sequence-wise balance loss α·Σ f_i P_i is added through ``AuxLoss``, which leaves the
+forward value untouched and injects the loss gradient in backward, so it reaches the total loss
+from any pipeline stage without travelling through the stage outputs.
+
+The forward is written as four pieces — ``route``, dispatch, ``run_experts``, combine — so the
+overlapped forward/backward can interleave them with another micro-batch's pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DeepSeekV3Config
+from .expert_parallel import DispatchPlan, all_to_all, ep_rank, ep_size, plan_dispatch
+
+_aux_loss_scale = 1.0
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """Gradient the balance loss receives per backward: 1.0 when each micro-batch loss is backpropagated
+    as is (the DualPipe convention), 1/M when the runtime divides losses by M micro-batches."""
+    global _aux_loss_scale
+    _aux_loss_scale = float(scale)
+
+
+class AuxLoss(torch.autograd.Function):
+    """Identity on ``x``; in backward also gives ``aux`` the gradient ``_aux_loss_scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, _aux_loss_scale)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense FFN, each routed expert and the shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    def __init__(self, config: DeepSeekV3Config) -> None:
+        super().__init__()
+        self.topk, self.n_groups, self.topk_groups = (config.n_activated_experts, config.n_expert_groups,
+                                                      config.n_limited_groups)
+        self.route_scale = config.route_scale
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
+        # Selection-only bias (not trained by gradients) and the routed-token count since the last update.
+        self.register_buffer("bias", torch.zeros(config.n_routed_experts))
+        self.register_buffer("load", torch.zeros(config.n_routed_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> gate weights (tokens, k), expert ids (tokens, k), affinities (tokens, experts)."""
+        counting = self.training and torch.is_grad_enabled()  # training forwards only, not evaluation
+        scores = F.linear(x, self.weight).float().sigmoid()
+        with torch.no_grad():
+            biased = scores + self.bias
+            if self.n_groups > 1:
+                grouped = biased.view(x.size(0), self.n_groups, -1)
+                best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+                keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+                biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+            indices = biased.topk(self.topk, dim=-1).indices
+            if counting:
+                self.load += torch.bincount(indices.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+        weights = scores.gather(1, indices)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        return weights, indices, scores
+
+
+def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, topk: int) -> torch.Tensor:
+    """Σ_i f_i·P_i per sequence, averaged over sequences (report eq. 17-20, without α)."""
+    n_experts = scores.size(-1)
+    seq = scores.size(0) // batch
+    probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, n_experts).mean(1)
+    hits = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
+        1, indices.view(batch, -1), torch.ones(batch, seq * topk, device=scores.device))
+    f = hits * (n_experts / (topk * seq))
+    return (f * probs).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """Shared experts plus the local shard of the routed experts (all of them when ``ep_group`` is None)."""
+
+    def __init__(self, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        size = ep_size(ep_group)
+        if config.n_routed_experts % size:
+            raise ValueError(f"n_routed_experts ({config.n_routed_experts}) must be divisible by the expert-parallel "
+                             f"group size ({size})")
+        self.ep_group, self.n_experts, self.topk = ep_group, config.n_routed_experts, config.n_activated_experts
+        self.balance_weight, self.bias_update_speed = config.balance_loss_weight, config.bias_update_speed
+        local = config.n_routed_experts // size
+        self.first_expert = ep_rank(ep_group) * local
+        self.gate = Gate(config)
+        # Keys are global expert ids, so a shard's state dict is a subset of the full model's.
+        self.experts = nn.ModuleDict({str(i): MLP(config.dim, config.moe_inter_dim)
+                                      for i in range(self.first_expert, self.first_expert + local)})
+        self.shared_experts = MLP(config.dim, config.n_shared_experts * config.moe_inter_dim) \
+            if config.n_shared_experts else None
+        self.balance_loss_sum = 0.0  # detached sum of the balance loss values seen since the last reset
+        self.balance_loss_count = 0
+
+    # ----- the four pieces -----------------------------------------------------------------------------
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan, torch.Tensor]:
+        """h (batch, seq, dim) -> (gate weights with the balance loss attached, ids, plan, rows to send)."""
+        flat = h.flatten(0, 1)
+        weights, indices, scores = self.gate(flat)
+        if self.training and self.balance_weight > 0 and torch.is_grad_enabled():
+            bal = sequence_balance_loss(scores, indices, h.size(0), self.topk)
+            self.balance_loss_sum += float(bal.detach())
+            self.balance_loss_count += 1
+            weights = AuxLoss.apply(weights, self.balance_weight * bal)
+        plan = plan_dispatch(indices, self.n_experts, self.ep_group)
+        return weights, indices, plan, flat[plan.token_of]
+
+    def run_experts(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Received rows (rank-major) -> expert outputs in the same order."""
+        if plan.regroup is not None:
+            rows = rows[plan.regroup]
+        outs = []
+        for expert, chunk in zip(self.experts.values(), rows.split(plan.expert_rows)):
+            outs.append(expert(chunk) if chunk.size(0) else chunk)
+        out = torch.cat(outs) if outs else rows
+        return out[plan.ungroup] if plan.ungroup is not None else out
+
+    def shared(self, h: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts(h) if self.shared_experts is not None else None
+
+    @staticmethod
+    def combine(rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, shared: torch.Tensor | None,
+                shape: torch.Size) -> torch.Tensor:
+        """Returned rows (sorted by expert) -> weighted sum over each token's k experts (+ shared)."""
+        per_token = rows[plan.unsort].view(weights.size(0), weights.size(1), -1)
+        y = (per_token * weights.unsqueeze(-1).type_as(rows)).sum(1).view(shape)
+        return y if shared is None else y + shared
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, _, plan, rows = self.route(h)
+        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group)  # dispatch
+        rows = self.run_experts(rows, plan)
+        rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group)  # combine
+        return self.combine(rows, weights, plan, self.shared(h), h.shape)
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, speed: float | None = None) -> None:
+    """Auxiliary-loss-free balancing: b_i += γ·sign(mean load − load_i), then reset the counts.
+
+    Call after the optimizer step, once the loads of every replica of a layer have been summed
+    (``sync_replicas(..., what="load")``), so all replicas move their bias identically.
+    """
+    for moe in moe_layers(module):
+        gate = moe.gate
+        if gate.load.sum() > 0:
+            gamma = speed if speed is not None else moe.bias_update_speed
+            gate.bias += gamma * torch.sign(gate.load.mean() - gate.load)
+        gate.load.zero_()
+
+
+def max_violation(module: nn.Module) -> float:
+    """Mean over MoE layers of max(load)/mean(load) − 1 (0 = perfectly balanced), from the current counts."""
+    vals = [float(m.gate.load.max() / m.gate.load.mean() - 1) for m in moe_layers(module) if m.gate.load.sum() > 0]
+    return sum(vals) / len(vals) if vals else 0.0

@@ -1,0 +1,298 @@
+"""DeepSeek-V3 cut into pipeline stages, and which stages each rank runs.
+
+A stage holds a contiguous run of blocks; the first also holds the embedding, the last the final
+norm, the output head and the MTP modules (plus its own copy of the embedding, which MTP shares:
+``sync_replicas`` sums the copies' gradients, as it sums DualPipe's mirrored stage copies).
+Parameter names are the full model's, so ``load_from`` copies weights by key.
+
+The runtime contract: ``stage(*inputs)`` takes the previous stage's outputs (token ids on the
+first stage) and returns the hidden states; the last stage's ``criterion(hidden, labels)`` returns
+the training loss (main + λ·MTP; the MoE balance loss enters through its gradient).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import DeepSeekV3Config
+from .mla import RMSNorm
+from .model import Block, DeepSeekV3Model, LossParts, MTPModule, deferred_init, init_weights, language_model_losses
+from .overlap import Steps, Tape, backward_side, drive, interleave, seal
+
+
+def parse_layout(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None) -> list[int]:
+    """Blocks per stage. ``layout`` is a list of counts, or a Megatron-style string such as
+    ``"Et*2|t*2|t|tmL"`` (``|`` separates stages; ``E`` embedding, ``t`` a block, ``t*N`` N blocks,
+    ``m`` MTP, ``L`` loss — ``E`` only in the first stage, ``m``/``L`` only in the last).
+    None balances ``n_layers + mtp_depth`` units (an MTP module costs about one block) with the
+    extra units going to later stages, so the first stage also carries the embedding lightly."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if layout is None:
+        units = config.n_layers + config.mtp_depth
+        base, extra = divmod(units, num_stages)
+        counts = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
+        counts[-1] -= config.mtp_depth
+        if counts[-1] < 0:
+            base, extra = divmod(config.n_layers, num_stages)
+            counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+        return counts
+    if isinstance(layout, str):
+        parts = layout.split("|")
+        if len(parts) != num_stages:
+            raise ValueError(f"layout {layout!r} has {len(parts)} stage(s) but {num_stages} are needed")
+        counts = []
+        for i, part in enumerate(parts):
+            n = 0
+            for tok, rep in re.findall(r"([EtmL])(?:\*(\d+))?", part):
+                if tok == "E" and i != 0:
+                    raise ValueError(f"layout {layout!r}: 'E' (embedding) may only appear in the first stage")
+                if tok in "mL" and i != num_stages - 1:
+                    raise ValueError(f"layout {layout!r}: {tok!r} may only appear in the last stage")
+                if tok == "t":
+                    n += int(rep or 1)
+            if re.sub(r"([EtmL])(\*\d+)?", "", part):
+                raise ValueError(f"layout {layout!r}: stage {i} {part!r} has characters other than E, t, m, L, *N")
+            counts.append(n)
+        layout = counts
+    counts = [int(c) for c in layout]
+    if len(counts) != num_stages or any(c < 0 for c in counts) or sum(counts) != config.n_layers:
+        raise ValueError(f"layout {list(layout)} must give {num_stages} non-negative block counts summing to "
+                         f"n_layers = {config.n_layers}")
+    return counts
+
+
+def stage_layer_ids(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None
+                    ) -> list[list[int]]:
+    counts = parse_layout(config, num_stages, layout)
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
+
+
+class DeepSeekV3Stage(nn.Module):
+    """One pipeline stage of DeepSeek-V3 (see the module docstring for the contract)."""
+
+    def __init__(self, config: DeepSeekV3Config, index: int, num_stages: int, layer_ids: Sequence[int],
+                 ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if not 0 <= index < num_stages:
+            raise ValueError(f"stage index {index} is outside 0..{num_stages - 1}")
+        self.config, self.index, self.num_stages = config, index, num_stages
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.loss_log: list[tuple[float, list[float]]] = []  # (main, [mtp_k]) of each criterion call
+        with deferred_init():
+            if self.is_first or (self.is_last and config.mtp_depth):
+                self.embed = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in layer_ids})
+            if self.is_last:
+                self.norm = RMSNorm(config.dim, config.norm_eps)
+                self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+                self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+        init_weights(self, config.init_std)
+
+    def extra_repr(self) -> str:
+        return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
+
+    @torch.no_grad()
+    def load_from(self, model: nn.Module) -> DeepSeekV3Stage:
+        """Copy this stage's weights (and gate biases) from a full model or another stage by key."""
+        src = model.state_dict()
+        own = self.state_dict()
+        missing = [k for k in own if k not in src]
+        if missing:
+            raise ValueError(f"the source model lacks {len(missing)} of this stage's keys, e.g. {missing[:3]}")
+        self.load_state_dict({k: src[k] for k in own})
+        return self
+
+    # ----- forward ---------------------------------------------------------------------------------
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        (out,) = self._forward(inputs, Tape(record=torch.is_grad_enabled()), None)
+        return out
+
+    def _forward(self, inputs: Sequence[torch.Tensor], tape: Tape, other: Steps | None) -> tuple:
+        if len(inputs) != 1:
+            raise ValueError(f"{self.extra_repr()}: expected 1 input (token ids on the first stage, hidden states "
+                             f"after), got {len(inputs)}")
+        entries = tape.enter(inputs)
+        if other is None:
+            finals = drive(self._steps(tape, entries[0]))
+        else:
+            finals, _ = interleave(self._steps(tape, entries[0]), other)
+        return seal(tape, inputs, finals)
+
+    def _steps(self, tape: Tape, x: torch.Tensor) -> Steps:
+        if self.is_first:
+            if x.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"the first stage takes token ids (int64), got a {x.dtype} tensor")
+            x = tape.run(self.embed, x)
+        for block in self.layers.values():
+            x = yield from block_steps(block, tape, x)
+        return [x]
+
+    # ----- loss (last stage) -----------------------------------------------------------------------
+    def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
+        if not self.is_last:
+            raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
+        return language_model_losses(h, labels, embed=getattr(self, "embed", None), norm=self.norm, head=self.head,
+                                     mtp=self.mtp, config=self.config)
+
+    def criterion(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The runtime's ``criterion(*outputs, *labels)``: main + λ·MTP loss; logs the parts."""
+        parts = self.losses(h, labels)
+        self.loss_log.append((float(parts.main.detach()), [float(m.detach()) for m in parts.mtp]))
+        return parts.total
+
+    # ----- DualPipe's overlapped F&B -----------------------------------------------------------------
+    @classmethod
+    def overlapped_forward_backward(cls, module0: DeepSeekV3Stage, inputs0: list, criterion0: Any, labels0: list,
+                                    module1: DeepSeekV3Stage, loss1: torch.Tensor | None, outputs1: list,
+                                    output_grads1: list) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """F of micro-batch 0 on ``module0`` interleaved piece by piece with the backward of micro-batch 1
+        on ``module1`` (from ``loss1`` on a last stage, else from ``outputs1``/``output_grads1``).
+        Bit-identical to the forward followed by the backward."""
+        back = backward_side(loss1, outputs1, output_grads1)
+        if back is None:  # outputs not produced by a stage tape: nothing to interleave
+            from ...runtime.backward import run_backward
+
+            run_backward(outputs1, output_grads1)
+        outputs0 = list(module0._forward(inputs0, Tape(record=torch.is_grad_enabled()), back))
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        return outputs0, loss0
+
+
+def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
+    """One block as pieces; a MoE block yields after posting its dispatch and its combine."""
+    if not block.is_moe:
+        return tape.run(block, x)
+    moe = block.ffn
+
+    def attention_and_route(x):
+        x1 = block.attention(x)
+        h = block.ffn_norm(x1)
+        weights, _, plan, rows = moe.route(h)
+        return x1, h, weights, rows, plan
+
+    x1, h, weights, rows, plan = tape.run(attention_and_route, x)
+    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group)  # dispatch
+    yield
+    rows, shared = tape.run(lambda r, h: (moe.run_experts(r, plan), moe.shared(h)), wait(), h)
+    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group)  # combine
+    yield
+    return tape.run(lambda r, w, s, x1: x1 + moe.combine(r, w, plan, s, x1.shape), wait(), weights, shared, x1)
+
+
+# ----- building and placing stages -------------------------------------------------------------------
+def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
+                 source: DeepSeekV3Model | None = None, indices: Sequence[int] | None = None,
+                 ep_group: dist.ProcessGroup | None = None) -> list[DeepSeekV3Stage]:
+    """The stage modules (all, or only ``indices``), weights copied from ``source`` when given."""
+    ids = stage_layer_ids(config, num_stages, layout)
+    wanted = range(num_stages) if indices is None else indices
+    stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group) for i in wanted]
+    if source is not None:
+        for st in stages:
+            st.load_from(source)
+    return stages
+
+
+def dualpipe_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
+    """DualPipe: rank r holds stage r of one direction and stage P−1−r of the other (P stages)."""
+    _check_rank(rank, num_ranks)
+    return rank, num_ranks - 1 - rank
+
+
+def v_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
+    """V schedules (DualPipeV, ZB-V): rank r holds stages r and 2P−1−r of 2P stages."""
+    _check_rank(rank, num_ranks)
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def _check_rank(rank: int, num_ranks: int) -> None:
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} is outside 0..{num_ranks - 1}")
+
+
+def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: Sequence[int] | str | None = None,
+                    *, source: DeepSeekV3Model | None = None,
+                    ep_group: dist.ProcessGroup | None = None) -> list[DeepSeekV3Stage]:
+    """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
+    runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s."""
+    num_stages = schedule.num_stages(0)
+    wanted = [s for _, s in schedule.local_stages(rank)]
+    return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group)
+
+
+def criterion_for(stages: Sequence[DeepSeekV3Stage]):
+    """The bound criterion of the last stage among this rank's stages, or None if it has none."""
+    last = [st for st in stages if st.is_last]
+    return last[0].criterion if last else None
+
+
+# ----- replicas: mirrored stages, the MTP embedding copy, data/expert-parallel copies -------------------
+def _local_tensors(modules: Sequence[nn.Module], what: str) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for m in modules:
+        if what == "grads":
+            for name, p in m.named_parameters():
+                if p.requires_grad:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    out.setdefault(name, []).append(p.grad)
+        elif what == "load":
+            for name, b in m.named_buffers():
+                if name.endswith("gate.load"):
+                    out.setdefault(name, []).append(b)
+        else:
+            raise ValueError(f"what must be 'grads' or 'load', got {what!r}")
+    return out
+
+
+@torch.no_grad()
+def sync_replicas(modules: Sequence[nn.Module], group: dist.ProcessGroup | None = None, what: str = "grads") -> None:
+    """Sum every tensor over all copies of the same parameter name, on this rank and across ``group``.
+
+    ``what="grads"`` after backward (DualPipe's mirrored stages, the MTP embedding copy, data- and
+    expert-parallel replicas); ``what="load"`` before ``update_expert_bias``. Without a process
+    group only this rank's copies are summed. Every rank of ``group`` must call it.
+    """
+    local = _local_tensors(modules, what)
+    for copies in local.values():  # copies on this rank first (e.g. V: embedding in stages 0 and 2P-1)
+        if len(copies) > 1:
+            total = copies[0].clone()
+            for t in copies[1:]:
+                total += t
+            for t in copies:
+                t.copy_(total)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    names = sorted(local)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, {n: local[n][0].numel() for n in names}, group=group)
+    holders: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for got in gathered:
+        for n, k in got.items():
+            holders[n] = holders.get(n, 0) + 1
+            sizes[n] = k
+    shared = sorted(n for n, c in holders.items() if c > 1)
+    if not shared:
+        return
+    ref = next(iter(local.values()))[0] if local else torch.zeros(0)
+    flat = torch.zeros(sum(sizes[n] for n in shared), dtype=ref.dtype, device=ref.device)
+    offsets, pos = {}, 0
+    for n in shared:
+        offsets[n] = pos
+        pos += sizes[n]
+        if n in local:
+            flat[offsets[n]:pos] = local[n][0].flatten()
+    dist.all_reduce(flat, group=group)
+    for n in shared:
+        if n in local:
+            for t in local[n]:
+                t.copy_(flat[offsets[n]:offsets[n] + sizes[n]].view_as(t))

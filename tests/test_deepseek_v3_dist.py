@@ -1,0 +1,207 @@
+"""DeepSeek-V3 integration over several CPU processes (gloo): expert parallelism and pipelines.
+
+Every worker builds the same seeded full model, runs the single-process reference itself, then
+its own part of the parallel run, and asserts equality there (an assertion error comes back
+with the rank's traceback).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks  # tests/ is on sys.path (rootdir-relative, no package)
+
+from mt_dualpipe.integrations.deepseek_v3 import (
+    DeepSeekV3Config,
+    DeepSeekV3Model,
+    DeepSeekV3Stage,
+    build_stages,
+    criterion_for,
+    stages_for_rank,
+    sync_replicas,
+)
+from mt_dualpipe.integrations.deepseek_v3.moe import MoE
+
+torch.set_num_threads(1)
+
+
+def small_config(**kw) -> DeepSeekV3Config:
+    base = dict(dim=64, n_layers=4, vocab_size=128, inter_dim=128, moe_inter_dim=32, max_seq_len=64)
+    return DeepSeekV3Config.preset("tiny", **{**base, **kw})
+
+
+def make_batch(config, batch, seq, seed):
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ----- expert parallelism ------------------------------------------------------------------------------------
+def _ep_worker(rank, world):
+    config = small_config(balance_loss_weight=0.0)
+    torch.manual_seed(0)
+    full = DeepSeekV3Model(config).layers["1"].ffn
+    shard = MoE(config, ep_group=dist.group.WORLD)
+    shard.load_state_dict({k: v for k, v in full.state_dict().items() if k in shard.state_dict()})
+    assert len(shard.experts) == config.n_routed_experts // world
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * world, 16, config.dim, generator=g)
+    dy = torch.randn(x.shape, generator=g)
+    rows = slice(2 * rank, 2 * rank + 2)
+    x_ref = x.clone().requires_grad_()
+    y_ref = full(x_ref)
+    y_ref.backward(dy)
+    x_loc = x[rows].clone().requires_grad_()
+    y = shard(x_loc)
+    y.backward(dy[rows])
+    torch.testing.assert_close(y, y_ref[rows], rtol=0, atol=0)  # combine == ep=1, bit for bit
+    torch.testing.assert_close(x_loc.grad, x_ref.grad[rows], rtol=1e-6, atol=1e-7)
+    for name, p in shard.named_parameters():
+        if name.startswith("experts."):  # each expert lives on one rank and saw every rank's tokens
+            torch.testing.assert_close(p.grad, full.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+        else:  # replicated: the ranks' partial gradients sum to the full one
+            dist.all_reduce(p.grad)
+            torch.testing.assert_close(p.grad, full.get_parameter(name).grad, rtol=1e-5, atol=1e-7)
+    # the routed-token counts, summed over the EP ranks, equal the single process's
+    load = shard.gate.load.clone()
+    dist.all_reduce(load)
+    assert torch.equal(load, full.gate.load)
+    return len(shard.experts)
+
+
+def test_expert_parallel_dispatch_combine_equals_ep1(two_ranks):
+    assert two_ranks("ep") == [8, 8]
+
+
+def _ep_overlap_worker(rank, world):
+    """With ep=2 the overlapped F&B posts real non-blocking all-to-alls; still bit-identical."""
+    config = small_config(n_layers=2)
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    x0, _ = make_batch(config, 2, 16, seed=10 + rank)
+    x1, y1 = make_batch(config, 2, 16, seed=20 + rank)
+    results = []
+    for overlapped in (False, True):
+        first, last = build_stages(config, 2, source=model, ep_group=dist.group.WORLD)
+        h1 = first(x1)
+        h1_in = h1.detach().requires_grad_()
+        loss1 = last.criterion(last(h1_in), y1)
+        if overlapped:
+            (out0,), _ = DeepSeekV3Stage.overlapped_forward_backward(first, [x0], None, [], last, loss1, [], [])
+        else:
+            out0 = first(x0)
+            loss1.backward()
+        grads = {n: p.grad.clone() for m in (first, last) for n, p in m.named_parameters() if p.grad is not None}
+        results.append((out0.detach(), grads, h1_in.grad.clone()))
+    (o_a, g_a, i_a), (o_b, g_b, i_b) = results
+    assert torch.equal(o_a, o_b) and torch.equal(i_a, i_b)
+    assert g_a.keys() == g_b.keys()
+    assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+    return True
+
+
+def test_overlapped_forward_backward_with_expert_parallel_all_to_all(two_ranks):
+    assert two_ranks("ep_overlap") == [True, True]
+
+
+# ----- pipelines equal the single-process model ------------------------------------------------------------------
+def _pipeline_worker(rank, world, schedule, num_mb, layout):
+    from mt_dualpipe import DualPipe, DualPipeV
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    config = small_config()
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    data = [make_batch(config, 1, 16, seed=100 + m) for m in range(num_mb)]
+    ref_losses = []
+    for x, y in data:  # the reference: each micro-batch's loss backpropagated as is, gradients summed
+        loss = model(x, y)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    sched = build_schedule(schedule, world, num_mb)
+    mods = stages_for_rank(config, sched, rank, layout, source=model)
+    pipe = (DualPipe if schedule == "dualpipe" else DualPipeV)(tuple(mods), timeout=60)
+    calls = []  # count the overlapped F&B units the runtime hands to the stage class
+    plain = DeepSeekV3Stage.__dict__["overlapped_forward_backward"].__func__
+    DeepSeekV3Stage.overlapped_forward_backward = classmethod(lambda cls, *a: (calls.append(1), plain(cls, *a))[1])
+    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
+    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
+    inputs = [torch.cat([data[m][0] for m in sched.microbatches_of(first[0])])] if first else []
+    labels = (torch.cat([data[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
+    try:
+        loss, _ = pipe.step(*inputs, num_chunks=num_mb, criterion=criterion_for(mods), labels=labels)
+    finally:
+        DeepSeekV3Stage.overlapped_forward_backward = classmethod(plain)
+    if last:
+        expected = torch.stack([ref_losses[m] for m in sched.microbatches_of(last[0])])
+        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    sync_replicas(mods, dist.group.WORLD)  # mirrored copies and the MTP embedding copy
+    sync_replicas(mods, dist.group.WORLD, what="load")
+    checked = 0
+    for mod in mods:
+        for name, p in mod.named_parameters():
+            torch.testing.assert_close(p.grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            checked += 1
+        for name, b in mod.named_buffers():
+            if name.endswith("gate.load"):
+                assert torch.equal(b, model.get_buffer(name)), name
+    loads = [b.clone() for m in mods for n, b in m.named_buffers() if n.endswith("gate.load")]
+    with torch.no_grad():  # an inference step: forward only, the same losses, no routing counts
+        loss_inf, _ = pipe.step(*inputs, num_chunks=num_mb, criterion=criterion_for(mods), labels=labels)
+    if last:
+        torch.testing.assert_close(loss_inf, expected, rtol=1e-6, atol=1e-6)
+    after = [b for m in mods for n, b in m.named_buffers() if n.endswith("gate.load")]
+    assert all(torch.equal(a, b) for a, b in zip(loads, after))
+    return checked, len(calls)
+
+
+def test_dualpipe_2_ranks_matches_single_process(two_ranks):
+    res = two_ranks("dualpipe")
+    assert all(c > 20 for c, _ in res)
+    assert sum(fb for _, fb in res) > 0  # the overlapped F&B path ran
+
+
+def test_dualpipe_4_ranks_matches_single_process():
+    res = run_ranks(_pipeline_worker, 4, "dualpipe", 8, [1, 1, 1, 1], timeout=180)
+    assert all(c > 20 for c, _ in res)
+    assert all(fb > 0 for _, fb in res)
+
+
+def test_dualpipev_matches_single_process(two_ranks):
+    assert all(c > 20 for c, _ in two_ranks("dualpipev"))
+
+
+# ----- the 2-rank checks share one set of processes (spawning is most of their cost) --------------------------
+_TWO_RANK_PARTS = {
+    "ep": (_ep_worker, ()),
+    "ep_overlap": (_ep_overlap_worker, ()),
+    "dualpipe": (_pipeline_worker, ("dualpipe", 4, [2, 2])),
+    "dualpipev": (_pipeline_worker, ("dualpipev", 4, [1, 1, 1, 1])),
+}
+
+
+def _two_rank_suite(rank, world):
+    out = {}
+    for name, (fn, args) in _TWO_RANK_PARTS.items():
+        try:
+            out[name] = (None, fn(rank, world, *args))
+        except BaseException:
+            out[name] = (traceback.format_exc(), None)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    per_rank = run_ranks(_two_rank_suite, 2, timeout=180)
+
+    def part(name):
+        errors = [f"rank {r}:\n{res[name][0]}" for r, res in enumerate(per_rank) if res[name][0] is not None]
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [res[name][1] for res in per_rank]
+
+    return part
