@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mt_dualpipe", "mt_dualpipe.*"]),
+    package_data={"mt_dualpipe.planner": ["models/*.json"]},
     install_requires=["torch>=2.4", "numpy", "rich", "graphviz"],
     extras_require={"test": ["pytest", "hypothesis"], "dev": ["ruff", "pytest", "hypothesis"]},
     entry_points={"console_scripts": ["mt-dualpipe=mt_dualpipe.cli:main"]},

@@ -44,6 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective")
     p.add_argument("--zero", type=int, choices=(0, 1), default=1, help="ZeRO stage for the optimizer state")
+    p.add_argument("--auto", type=int, default=0, metavar="N", help="also search the auto schedule for the N best "
+                   "layouts (a few seconds each)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
     p.set_defaults(func=cmd_plan)
@@ -122,7 +124,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options.setdefault("zero", args.zero)
     if args.schedules:
         options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
-    result = plan(model, system, args.gpus, args.global_batch, **options)
+    if args.auto < 0:
+        raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
+    result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto, **options)
     print_plan(result, args.top)
     if args.json_path:
         write_json(result, args.json_path, max(args.top, 20))

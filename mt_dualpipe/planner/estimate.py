@@ -1,0 +1,320 @@
+"""Step time and peak memory of one parallel strategy: compute/communication model + simulator.
+
+For a strategy (pipeline size, schedule, micro-batches, expert- and data-parallel sizes) on a
+system, the model is cut into pipeline stages balanced by compute, each stage's F, B, W and
+all-to-all times come from FLOPs and bytes, and the pipeline part of the step is simulated with
+the same simulator as everything else in this library. Around it:
+
+- **step time** = simulated pipeline makespan + data-parallel gradient synchronisation
+  (ZeRO-1 reduce-scatter + all-gather, i.e. an all-reduce's traffic, counted as exposed; DeepSeek
+  overlaps some of it, so this is conservative).
+- **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel with
+  ZeRO-1; experts are sharded by expert parallel and their optimizer over the expert-data-parallel
+  group) + peak in-flight activations of the schedule on that rank x the bytes one stage saves
+  per micro-batch. The largest rank counts.
+
+Costs of a stage: F = matmul FLOPs / matmul rate + core attention / attention rate;
+B = the input-gradient matmuls (same FLOPs as F's matmuls) + 2x core attention; W = the weight-
+gradient matmuls (same FLOPs again). All-to-all per MoE layer: dispatch (1 byte/element with FP8,
+else 2) and combine (2 bytes), each top-k copy crossing NVLink, and the node-deduplicated copies
+crossing InfiniBand when the expert-parallel group spans nodes; forward and backward move the same
+bytes. The point-to-point hop sends one micro-batch's hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..schedules import Costs, build_schedule, schedule_info
+from ..schedules.errors import ScheduleError
+from ..schedules.ir import compute_parts
+from ..schedules.simulate import run_schedule
+from .model import Item, ModelSpec
+from .system import SystemSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Strategy:
+    pp: int
+    schedule: str
+    num_microbatches: int
+    ep: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 4096
+    zero: int = 1
+    dtype: str = "bf16"            # "fp8": FP8 GEMMs, FP8 dispatch and FP8-cached activations (DeepSeek-V3);
+    #                                "fp32": everything in FP32 (CPU runs)
+    recompute: str = "selective"
+    virtual_stages: int = 1        # chunks per rank for interleaved-1f1b
+    layers_per_stage: tuple[int, ...] | None = None  # decoder layers per stage (default: balanced by compute)
+    placement: str = ""            # for schedule "auto": linear, v or dual
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def schedule_label(self) -> str:
+        if self.schedule == "auto":
+            return f"auto/{self.placement}"
+        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
+    def describe(self) -> str:
+        return (f"pp={self.pp} {self.schedule_label} M={self.num_microbatches} ep={self.ep} dp={self.dp} "
+                f"mbs={self.micro_batch_size}")
+
+
+@dataclass
+class Estimate:
+    strategy: Strategy
+    step_time: float
+    pipeline_time: float
+    dp_sync_time: float
+    bubble_rate: float
+    memory_gb: dict[str, float]
+    peak_activations: int
+    stage_layers: list[int]
+    mfu: float
+    fits: bool
+    note: str = ""
+    per_rank_gb: list[float] = field(default_factory=list)  # total memory of every pipeline rank
+    costs: Costs | None = field(default=None, repr=False)
+
+    @property
+    def total_memory_gb(self) -> float:
+        return self.memory_gb["total"]
+
+    def to_dict(self) -> dict:
+        s = self.strategy
+        return {"pp": s.pp, "schedule": s.schedule, "placement": s.placement or None,
+                "virtual_stages": s.virtual_stages,
+                "num_microbatches": s.num_microbatches, "micro_batch_size": s.micro_batch_size, "ep": s.ep,
+                "dp": s.dp, "tp": 1, "zero": s.zero, "dtype": s.dtype, "recompute": s.recompute,
+                "step_time_s": self.step_time, "pipeline_time_s": self.pipeline_time,
+                "dp_sync_time_s": self.dp_sync_time, "bubble_rate": self.bubble_rate, "mfu": self.mfu,
+                "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
+                "peak_activations": self.peak_activations,
+                "stage_layers": self.stage_layers, "fits": self.fits, "note": self.note}
+
+
+# ----- model cut ---------------------------------------------------------------------------------
+ACT_UNIT = {"fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
+
+
+def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str) -> float:
+    mm_rate = system.tflops(dtype) * 1e12 * system.mm_efficiency
+    attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
+    return tokens * (item.mm_flops / mm_rate + item.attn_flops / attn_rate)
+
+
+def partition(weights: list[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous groups of ``weights`` minimising the heaviest group (each >= 1 item)."""
+    n = len(weights)
+    if parts > n:
+        raise ScheduleError(f"cannot cut {n} model pieces into {parts} pipeline stages; use fewer stages")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    INF = float("inf")
+    # best[k][i]: minimal max-group over the first i items in k groups
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> list[list[Item]]:
+    """The model's items cut into the chain's stages, balanced by F+B+W time."""
+    items = model.items(strategy.seq_len, ACT_UNIT[strategy.dtype], strategy.recompute,
+                        elem=4.0 if strategy.dtype == "fp32" else 2.0)
+    tokens = strategy.seq_len * strategy.micro_batch_size
+    stages = num_stages(strategy)
+    if strategy.layers_per_stage is not None:
+        layers = list(strategy.layers_per_stage)
+        if len(layers) != stages or sum(layers) != model.layer_num or min(layers) < 0:
+            raise ScheduleError(f"layers_per_stage {layers} must give {stages} counts summing to "
+                                f"{model.layer_num} layers")
+        sizes = [n + (s == 0) + (s == stages - 1) for s, n in enumerate(layers)]  # + embedding, + head
+    else:
+        times = [3 * item_time(i, tokens, system, strategy.dtype) + 1e-9 for i in items]
+        sizes = partition(times, stages)
+    out, k = [], 0
+    for n in sizes:
+        out.append(items[k:k + n])
+        k += n
+    return out
+
+
+def num_stages(strategy: Strategy) -> int:
+    if strategy.schedule == "auto":
+        return 2 * strategy.pp if strategy.placement == "v" else strategy.pp
+    info = schedule_info(strategy.schedule)
+    if strategy.schedule == "interleaved-1f1b":
+        return strategy.pp * strategy.virtual_stages
+    if info.chunks_per_rank == 2 and strategy.schedule != "dualpipe":
+        return 2 * strategy.pp  # V placement: 2P half-size stages
+    return strategy.pp
+
+
+def a2a_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: int) -> float:
+    """Dispatch + combine of one MoE layer for one micro-batch (forward; the backward moves the same)."""
+    ep = strategy.ep
+    if not model.is_moe or ep <= 1:
+        return 0.0
+    h, k = model.hidden_size, model.topk
+    total = 0.0
+    for bytes_per in ((1.0 if strategy.dtype == "fp8" else 2.0), 2.0):  # dispatch, combine
+        nodes = -(-ep // system.gpus_per_node)
+        bw_intra, lat_intra = system.link(False)
+        intra = tokens * k * h * bytes_per * (min(ep, system.gpus_per_node) - 1) / min(ep, system.gpus_per_node)
+        t = intra / bw_intra + lat_intra
+        if nodes > 1:
+            bw_inter, lat_inter = system.link(True)
+            fan = min(k, model.max_routed_nodes or k, nodes)
+            inter = tokens * h * bytes_per * fan * (nodes - 1) / nodes
+            t = max(t, inter / bw_inter + lat_inter)
+        total += t
+    return total
+
+
+def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
+                stages: list[list[Item]]) -> Costs:
+    tokens = strategy.seq_len * strategy.micro_batch_size
+    mm_rate = system.tflops(strategy.dtype) * 1e12 * system.mm_efficiency
+    attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
+    a2a = a2a_time(model, strategy, system, tokens)
+    f, b, w, af = [], [], [], []
+    for group in stages:
+        mm = sum(i.mm_flops for i in group) * tokens / mm_rate
+        at = sum(i.attn_flops for i in group) * tokens / attn_rate
+        recompute = mm + at if strategy.recompute == "full" else 0.0
+        f.append(mm + at)
+        b.append(mm + 2 * at + recompute)
+        w.append(mm)
+        af.append(a2a * sum(1 for i in group if i.moe))
+    across = strategy.dp >= system.gpus_per_node  # pipeline neighbours sit in different nodes
+    bw, lat = system.link(across)
+    hop = tokens * model.hidden_size * 2 / bw + lat
+    return Costs(f=f, b=b, w=w, comm=hop, a2a_f=af, a2a_b=list(af))
+
+
+# ----- memory ------------------------------------------------------------------------------------
+def weight_bytes(strategy: Strategy) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes per parameter: BF16 weights, FP32 gradients,
+    FP32 master + two Adam moments (BF16 moments for FP8 training, as DeepSeek-V3; FP32 otherwise);
+    plain FP32 training keeps FP32 weights, gradients and two moments (no master copy)."""
+    if strategy.dtype == "fp32":
+        return 4.0, 4.0, 8.0
+    return 2.0, 4.0, (8.0 if strategy.dtype == "fp8" else 12.0)
+
+
+def activation_peak_bytes(ops: list, stage_bytes: list[float]) -> float:
+    """Peak saved-activation bytes of one rank's op order: +stage bytes at F, - at its W or BW."""
+    live = peak = 0.0
+    for item in ops:
+        for op in compute_parts(item):
+            if op.kind == "F":
+                live += stage_bytes[op.stage]
+                peak = max(peak, live)
+            elif op.kind in ("W", "BW"):
+                live -= stage_bytes[op.stage]
+    return peak
+
+
+def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[int], act_bytes: float,
+                     extra_params: float = 0.0) -> dict[str, float]:
+    wb, gb, ob = weight_bytes(strategy)
+    dense = sum(i.params for s in local for i in stages[s]) + extra_params
+    expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
+    edp = max(1, strategy.dp // strategy.ep)
+    shard_dense = strategy.dp if strategy.zero >= 1 else 1
+    shard_expert = edp if strategy.zero >= 1 else 1
+    out = {
+        "weights": (dense + expert) * wb / GB,
+        "gradients": (dense + expert) * gb / GB,
+        "optimizer": (dense * ob / shard_dense + expert * ob / shard_expert) / GB,
+        "activations": act_bytes / GB,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----- one strategy ------------------------------------------------------------------------------
+_SCHEDULE_CACHE: dict[tuple, tuple] = {}
+
+
+AUTO_TIME_BUDGET = 5.0  # seconds per auto search inside the planner
+
+
+def _schedule(strategy: Strategy, costs: Costs):
+    if strategy.schedule == "auto":  # searched for these costs: not cached
+        if strategy.placement not in ("linear", "v", "dual"):
+            raise ScheduleError(f"schedule 'auto' needs placement linear, v or dual, got {strategy.placement!r}")
+        sched = build_schedule("auto", strategy.pp, strategy.num_microbatches, costs=costs,
+                               placement=strategy.placement, time_budget=AUTO_TIME_BUDGET)
+        return sched, None
+    key = (strategy.schedule, strategy.pp, strategy.num_microbatches, strategy.virtual_stages)
+    if key not in _SCHEDULE_CACHE:
+        opts = {"virtual_stages": strategy.virtual_stages} if strategy.schedule == "interleaved-1f1b" else {}
+        sched = build_schedule(strategy.schedule, strategy.pp, strategy.num_microbatches, **opts)
+        peaks = run_schedule(sched, Costs(), record=False).peak_activations
+        _SCHEDULE_CACHE[key] = (sched, peaks)
+    return _SCHEDULE_CACHE[key]
+
+
+def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estimate:
+    """Step time, bubble and the per-GPU memory breakdown of ``strategy`` (raises ScheduleError if invalid)."""
+    if strategy.dp % strategy.ep:
+        raise ScheduleError(f"expert parallel size {strategy.ep} must divide the data parallel size {strategy.dp}")
+    if model.is_moe and model.expert_num % strategy.ep:
+        raise ScheduleError(f"expert parallel size {strategy.ep} must divide the {model.expert_num} experts")
+    tokens = strategy.seq_len * strategy.micro_batch_size
+    stages = stage_items(model, strategy, system)
+    costs = stage_costs(model, strategy, system, stages)
+    sched, _ = _schedule(strategy, costs)
+    res = run_schedule(sched, costs, record=False)
+    worst = None
+    per_rank = []
+    stage_bytes = [sum(i.act_bytes for i in g) * tokens for g in stages]
+    for r in range(strategy.pp):
+        local = sorted({s for _, s in sched.local_stages(r)})
+        # MTP needs the embedding: a last stage away from the first keeps its own copy
+        extra = model.vocab_size * model.hidden_size if model.mtp_depth and len(stages) - 1 in local \
+            and 0 not in local else 0.0
+        mem = memory_breakdown(strategy, stages, local, activation_peak_bytes(sched.ranks[r], stage_bytes), extra)
+        per_rank.append(mem["total"])
+        if worst is None or mem["total"] > worst[0]["total"]:
+            worst = (mem, res.peak_activations[r])
+    mem, peak = worst
+    # data-parallel gradient sync (reduce-scatter + all-gather of BF16 grads/params), exposed
+    dense = max(sum(i.params for s in sorted({s for _, s in sched.local_stages(r)}) for i in stages[s])
+                for r in range(strategy.pp))
+    expert = max(sum(i.expert_params for s in sorted({s for _, s in sched.local_stages(r)}) for i in stages[s])
+                 for r in range(strategy.pp)) / strategy.ep
+    edp = max(1, strategy.dp // strategy.ep)
+    # ranks are laid out data-parallel innermost (tp = 1), so both groups leave the node once dp does
+    bw, lat = system.link(strategy.dp > system.gpus_per_node)
+    sync = 0.0
+    for n_params, group in ((dense, strategy.dp), (expert, edp)):
+        if group > 1:  # ring reduce-scatter + all-gather of BF16 values: 2 x 2 bytes x (g-1)/g per parameter
+            sync += 2 * n_params * 2 * (group - 1) / group / bw + 2 * lat
+    step = res.makespan + sync
+    useful = model.flops_per_token(strategy.seq_len) * tokens * strategy.num_microbatches * strategy.dp
+    mfu = useful / (strategy.gpus * system.tflops(strategy.dtype) * 1e12 * step)
+    fits = mem["total"] <= system.gpu_memory_gb * system.mem_factor
+    return Estimate(strategy, step, res.makespan, sync, res.bubble_rate, mem, peak, [len(g) for g in stages], mfu, fits,
+                    per_rank_gb=per_rank, costs=costs)

@@ -1,0 +1,213 @@
+"""Model descriptions for the planner: parameters, FLOPs and saved activations per layer.
+
+Reads SimuMax's model JSON layout (``hidden_size``, ``head_num``, ``layer_num``, ``dense_layers``,
+``expert_num``, ``topk``, ``moe_ffn_hidden_size``, ``q_lora_rank``, ...), plus two keys of ours:
+``mtp_depth`` (multi-token-prediction modules after the head) and ``max_routed_nodes``
+(DeepSeek's node-limited routing), and an optional ``training`` block with the published run.
+
+The pipeline is cut into "items": the embedding, every decoder layer, and the head (+ loss and
+MTP modules). Each item knows its parameter count (split into expert and non-expert, since
+experts are sharded by expert parallelism), its forward FLOPs per token (matmuls and core
+attention separately: the backward splits them differently) and the bytes it saves for the
+backward per token. The formulas count GEMM shapes; they reproduce DeepSeek-V3's published
+671B total and ~37B activated parameters (see tests).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..schedules.errors import ScheduleError
+
+MODELS_DIR = Path(__file__).parent / "models"
+MODEL_ALIASES = {"deepseek-v3": "deepseek_v3_671b", "deepseek-v3-671b": "deepseek_v3_671b",
+                 "deepseek_v3": "deepseek_v3_671b"}
+
+
+@dataclass(frozen=True)
+class Item:
+    """One pipeline-cuttable piece of the model (embedding, a decoder layer, or the head)."""
+
+    name: str
+    params: float            # non-expert parameters (replicated across data parallel)
+    expert_params: float     # routed-expert parameters (sharded across expert parallel)
+    mm_flops: float          # forward matmul FLOPs per token
+    attn_flops: float        # forward core-attention FLOPs per token (at the full sequence length)
+    act_bytes: float         # bytes saved for the backward per token
+    moe: bool = False
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    hidden_size: int
+    head_num: int
+    layer_num: int
+    vocab_size: int
+    intermediate_size: int
+    dense_layers: int = 0
+    expert_num: int = 0
+    topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_shared_expert_intermediate_size: int = 0
+    attention_type: str = "mha"
+    kv_head_num: int | None = None
+    head_size: int | None = None
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    use_swiglu: bool = True
+    mtp_depth: int = 0
+    max_routed_nodes: int = 0
+    training: dict = field(default_factory=dict)
+
+    # ----- loading --------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelSpec:
+        need = ("hidden_size", "head_num", "layer_num", "vocab_size")
+        missing = [k for k in need if k not in data]
+        if missing:
+            raise ScheduleError(f"model description lacks {', '.join(missing)} (SimuMax model layout: hidden_size, "
+                                "head_num, layer_num, vocab_size, intermediate_size, expert_num, topk, ...)")
+        known = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in data.items() if k in known}
+        kw["name"] = str(data.get("model_name", data.get("name", "model")))
+        kw.setdefault("intermediate_size", 4 * int(data["hidden_size"]))
+        spec = cls(**kw)
+        if spec.expert_num and not spec.topk:
+            raise ScheduleError("a MoE model description needs 'topk' (experts per token)")
+        return spec
+
+    @classmethod
+    def load(cls, name_or_path: str) -> ModelSpec:
+        """A bundled model ("deepseek-v3") or a JSON file in SimuMax's model layout."""
+        key = MODEL_ALIASES.get(name_or_path.lower(), name_or_path)
+        path = MODELS_DIR / f"{key}.json"
+        if not path.exists():
+            path = Path(name_or_path)
+        if not path.exists():
+            bundled = sorted(MODEL_ALIASES) + sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+            raise ScheduleError(f"model {name_or_path!r} is neither a bundled model ({', '.join(bundled)}) "
+                                "nor a JSON file")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScheduleError(f"model file {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_deepseek_config(cls, cfg: object) -> ModelSpec:
+        """From ``mt_dualpipe.integrations.deepseek_v3.DeepSeekV3Config`` (duck-typed, no torch import)."""
+        return cls(name="deepseek_v3", hidden_size=cfg.dim, head_num=cfg.n_heads, layer_num=cfg.n_layers,
+                   vocab_size=cfg.vocab_size, intermediate_size=cfg.inter_dim, dense_layers=cfg.n_dense_layers,
+                   expert_num=cfg.n_routed_experts, topk=cfg.n_activated_experts,
+                   moe_ffn_hidden_size=cfg.moe_inter_dim,
+                   moe_shared_expert_intermediate_size=cfg.moe_inter_dim * cfg.n_shared_experts,
+                   attention_type="mla", q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                   qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+                   v_head_dim=cfg.v_head_dim, mtp_depth=cfg.mtp_depth)
+
+    # ----- shapes ---------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_num > 0
+
+    def _dims(self) -> tuple[int, int]:
+        """(query/key head dim, value head dim)."""
+        if self.attention_type == "mla":
+            return self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
+        d = self.head_size or self.hidden_size // self.head_num
+        return d, d
+
+    def attention_params(self) -> float:
+        h, n = self.hidden_size, self.head_num
+        dqk, dv = self._dims()
+        if self.attention_type == "mla":
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * dqk) if self.q_lora_rank \
+                else h * n * dqk
+            kv = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank \
+                + self.kv_lora_rank * n * (self.qk_head_dim + dv)
+            return q + kv + n * dv * h + h
+        kvh = self.kv_head_num or n
+        return h * n * dqk + 2 * h * kvh * dqk + n * dv * h + h
+
+    def mlp_params(self, ffn: int) -> float:
+        return (3 if self.use_swiglu else 2) * self.hidden_size * ffn
+
+    def moe_layer(self, layer_id: int) -> bool:
+        return self.is_moe and layer_id >= self.dense_layers
+
+    def layer_item(self, layer_id: int, seq_len: int, act_unit: float, recompute: str, elem: float = 2.0) -> Item:
+        """One decoder layer. ``act_unit``: bytes per cached linear-input element (2 bf16, 1 FP8);
+        ``elem``: bytes of the other saved elements (2 bf16, 4 fp32)."""
+        h, n = self.hidden_size, self.head_num
+        dqk, dv = self._dims()
+        attn_p = self.attention_params()
+        attn_mm = 2 * (attn_p - h)
+        attn_core = n * seq_len * (dqk + dv)  # causal: half of 2*s*(dqk+dv) per head and token
+        # saved per token (DeepSeek-style "selective": norms and up-projections recomputed, linear
+        # inputs cached in ``act_unit`` bytes): residual input, latents, attention output, softmax stats
+        latent = (self.q_lora_rank + self.kv_lora_rank + self.qk_pos_emb_head_dim) if self.attention_type == "mla" \
+            else 0
+        attn_act = elem * h + latent * act_unit + n * dv * act_unit + n * 4
+        if recompute == "none":  # eager: also the norm output, q, k, v, their RoPE copies and the probabilities
+            attn_act += elem * h + n * (3 * dqk + dv) * elem + n * seq_len * elem
+        if self.moe_layer(layer_id):
+            ffn, k = self.moe_ffn_hidden_size, self.topk
+            shared = self.moe_shared_expert_intermediate_size
+            expert_p = self.expert_num * self.mlp_params(ffn)
+            dense_p = self.mlp_params(shared) + h * self.expert_num + h
+            mm = 2 * (k * self.mlp_params(ffn) + self.mlp_params(shared) + h * self.expert_num)
+            # residual, router probabilities, dispatched tokens (the experts' inputs), SwiGLU inputs
+            mlp_act = elem * h + self.expert_num * 4 + k * h * act_unit + (k * ffn + shared) * 2 * act_unit
+            if recompute == "none":  # also the norm output, SwiGLU's two products and expert outputs (combine)
+                mlp_act += elem * h + (k * ffn + shared) * 2 * act_unit + k * h * act_unit
+            item = Item(f"layer{layer_id}", attn_p + dense_p, expert_p, attn_mm + mm, attn_core, 0.0, True)
+        else:
+            ffn = self.intermediate_size
+            mm = 2 * self.mlp_params(ffn)
+            mlp_act = elem * h + h * act_unit + ffn * 2 * act_unit
+            if recompute == "none":
+                mlp_act += elem * h + ffn * 2 * act_unit
+            item = Item(f"layer{layer_id}", attn_p + self.mlp_params(ffn) + h, 0.0, attn_mm + mm, attn_core, 0.0)
+        act = (attn_act + mlp_act) if recompute != "full" else elem * h
+        return Item(item.name, item.params, item.expert_params, item.mm_flops, item.attn_flops, act, item.moe)
+
+    def items(self, seq_len: int, act_unit: float = 2.0, recompute: str = "selective", elem: float = 2.0
+              ) -> list[Item]:
+        """Embedding, the decoder layers, then the head (+ MTP modules), in pipeline order."""
+        if recompute not in ("none", "selective", "full"):
+            raise ScheduleError(f"recompute must be none, selective or full, got {recompute!r}")
+        h, V = self.hidden_size, self.vocab_size
+        out = [Item("embedding", V * h, 0.0, 0.0, 0.0, elem * h)]
+        out += [self.layer_item(i, seq_len, act_unit, recompute, elem) for i in range(self.layer_num)]
+        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, elem * (h + 2 * V))  # norm in, logits, log-probs
+        for d in range(self.mtp_depth):  # projection of [h; emb] and one more (MoE) block, the shared head
+            block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem)
+            proj = 2 * h * h + 3 * h  # the [h; emb] projection and its two input norms + the output norm
+            head = Item("head+mtp", head.params + proj + block.params, head.expert_params + block.expert_params,
+                        head.mm_flops + 2 * proj + block.mm_flops + 2 * V * h, head.attn_flops + block.attn_flops,
+                        head.act_bytes + block.act_bytes + elem * (3 * h + 2 * V), True)
+        out.append(head)
+        return out
+
+    def total_params(self, include_mtp: bool = False) -> float:
+        items = self.items(4096)
+        total = sum(i.params + i.expert_params for i in items)
+        if not include_mtp and self.mtp_depth:
+            plain = ModelSpec(**{**self.__dict__, "mtp_depth": 0})
+            total = sum(i.params + i.expert_params for i in plain.items(4096))
+        return total
+
+    def activated_params(self) -> float:
+        """Parameters one token's forward touches (embedding and head included, MTP excluded)."""
+        plain = ModelSpec(**{**self.__dict__, "mtp_depth": 0})
+        return sum(i.mm_flops for i in plain.items(4096)) / 2 + self.vocab_size * self.hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), MTP included."""
+        return 3 * sum(i.mm_flops + i.attn_flops for i in self.items(seq_len))

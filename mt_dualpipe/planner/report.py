@@ -1,0 +1,53 @@
+"""Planner output: a rich table of the best configurations and the JSON document."""
+
+from __future__ import annotations
+
+import json
+
+from .search import PlanResult
+
+
+def plan_table(result: PlanResult, top: int = 10):
+    """A ``rich.table.Table`` of the ``top`` fastest configurations that fit."""
+    from rich.table import Table
+
+    cap = result.system.gpu_memory_gb * result.system.mem_factor
+    table = Table(title=f"{result.model.name} on {result.gpus} x {result.system.name} ({result.system.gpu_memory_gb:g} "
+                        f"GB, usable {cap:.1f} GB), global batch {result.global_batch}")
+    for col in ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sync s", "bubble",
+                "MFU", "weights", "grads", "optim", "activ", "mem GB"):
+        table.add_column(col, justify="right" if col not in ("schedule",) else "left")
+    ref = result.reference
+    for i, e in enumerate(result.ranked[:top]):
+        s, m = e.strategy, e.memory_gb
+        name = s.schedule_label
+        style = "bold green" if ref is not None and e is ref else None
+        table.add_row(str(i + 1), str(s.pp), name, str(s.num_microbatches), str(s.ep), str(s.dp), "1",
+                      f"{e.step_time:.2f}", f"{e.pipeline_time:.2f}", f"{e.dp_sync_time:.2f}", f"{e.bubble_rate:.1%}",
+                      f"{e.mfu:.1%}", f"{m['weights']:.1f}", f"{m['gradients']:.1f}", f"{m['optimizer']:.1f}",
+                      f"{m['activations']:.1f}", f"{m['total']:.1f}", style=style)
+    return table
+
+
+def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
+    from rich.console import Console
+
+    if console is None:
+        console = Console()
+        if console.width < 150:  # the table has 17 columns: do not squeeze it into a pipe's 80
+            console = Console(width=150)
+    if not result.ranked:
+        console.print(f"no configuration fits in {result.system.gpu_memory_gb:g} GB "
+                      f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out)")
+    else:
+        console.print(plan_table(result, top))
+        console.print(f"{len(result.ranked)} configurations fit, {len(result.rejected)} exceed the memory, "
+                      f"{result.skipped} combinations ruled out (divisibility or schedule rules)")
+    if result.verdict:
+        console.print(result.verdict)
+
+
+def write_json(result: PlanResult, path: str, top: int = 20) -> None:
+    with open(path, "w") as fh:
+        json.dump(result.to_dict(top), fh, indent=2)
+        fh.write("\n")
