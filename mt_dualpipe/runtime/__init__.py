@@ -6,9 +6,9 @@ weight gradient uses. Importable on CPU without CUDA.
 """
 
 from .backward import run_backward
-from .errors import PipelineError, PipelineTimeoutError
+from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
 from .modules import DualPipe, DualPipeV, Pipeline
 from .weight_grad import WeightGradStore
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV", "run_backward", "WeightGradStore", "PipelineError",
-           "PipelineTimeoutError"]
+           "PipelineCommError", "PipelineTimeoutError"]
