@@ -1,0 +1,258 @@
+"""Asynchronous on-disk checkpoints with an atomic commit.
+
+Layout under ``checkpoint_dir``::
+
+    step_00000020/          a complete checkpoint (only ever created by a rename)
+        .metadata           torch.distributed.checkpoint metadata (written last by DCP)
+        __0_0.distcp ...    tensor data, one file per rank
+        skeleton_rank0.pt   each rank's snapshot skeleton (structure, non-tensor values, buffer layout)
+        COMMIT              {"step": 20, "world_size": 2}
+    .tmp_step_00000030/     a checkpoint being written
+
+Writing: every rank writes its skeleton, then hands its snapshot's flat buffers (one per dtype) to
+``torch.distributed.checkpoint.async_save`` (``mode == "dcp.async_save"``; when this torch lacks it,
+a background thread runs ``dcp.save`` instead, ``mode == "thread+dcp.save"``), on a dedicated gloo
+group so its collectives never interleave with training's. Training continues meanwhile; the
+snapshot's buffers are private copies, so nothing is staged again (a no-op stager). When rank 0's save
+completes, every rank's data is on disk (DCP gathers the ranks' write results before writing
+``.metadata``); rank 0 then writes ``COMMIT`` and renames the folder to ``step_N`` — the commit. A
+crash before the rename leaves only a ``.tmp_`` folder, which is ignored and cleaned up on the
+next start; the previous complete checkpoint is never touched until a newer one is committed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import inspect
+import json
+import os
+import re
+import shutil
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .snapshot import Snapshot
+
+# single-process checkpoints pass no_dist=True on purpose; DCP still warns from its writer thread
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+_FINAL = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp_"
+
+
+_TAKES_STAGER = hasattr(dcp, "async_save") and "async_stager" in inspect.signature(dcp.async_save).parameters
+
+
+class _NoStaging:
+    """An ``AsyncStager`` that hands the state dict over as is (it is already a private copy)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointManager:
+    """Writes snapshots to ``directory`` asynchronously and finds / loads the latest complete one.
+
+    ``ranks``: the global ranks that checkpoint together (None: the whole world, or a single
+    process when torch.distributed is not initialized). Construct it on every rank of the default
+    group in the same order (it creates a process group). ``before_commit(step)`` is a hook run on
+    rank 0 just before the commit rename (fault injection uses it).
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, ranks: list[int] | None = None,
+                 timeout: float = 600.0, use_async: bool = True,
+                 before_commit: Callable[[int], None] | None = None):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep_checkpoints must be an integer of at least 1, got {keep!r}")
+        self.directory = os.fspath(directory)
+        self.keep = keep
+        self.before_commit = before_commit
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = None
+        self.rank, self.world_size = 0, 1
+        if self.distributed:
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+            self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.mode = "dcp.async_save" if use_async and hasattr(dcp, "async_save") else "thread+dcp.save"
+        self._pending: tuple[int, str, concurrent.futures.Future] | None = None
+        self._pending_snapshot: Snapshot | None = None
+        self.committed: list[int] = []
+        if self.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            for entry in os.listdir(self.directory):  # leftovers of writes that never committed
+                if entry.startswith(_TMP_PREFIX):
+                    shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)
+        self._barrier()
+
+    def _barrier(self, what: str = "start") -> None:
+        if self.group is not None:
+            try:
+                dist.barrier(group=self.group)
+            except RuntimeError as exc:
+                raise CheckpointError(f"the checkpoint ranks could not synchronize to {what} (a rank died or the "
+                                      f"group is broken): {str(exc).splitlines()[0][:200]}") from exc
+
+    # ----- writing ------------------------------------------------------------------------------
+    def save(self, snap: Snapshot) -> None:
+        """Start writing ``snap`` (collective: every rank calls it for the same step); returns at once."""
+        self.wait()
+        tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{_name(snap.step)}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self._barrier(f"write the checkpoint of step {snap.step}")
+        meta = {"step": snap.step, "position": snap.position, "skeleton": snap.skeleton,
+                "buffers": {name: (b.dtype, b.numel()) for name, b in snap.buffers.items()}}
+        torch.save(meta, os.path.join(tmp, f"skeleton_rank{self.rank}.pt"))
+        # the snapshot's buffers are private copies nobody writes to: they need no staging copy
+        tensors = {f"r{self.rank}.{name}": b.cpu() for name, b in snap.buffers.items()}
+        kwargs: dict[str, Any] = {"checkpoint_id": tmp, "process_group": self.group, "no_dist": not self.distributed}
+        if self.mode == "dcp.async_save":
+            if _TAKES_STAGER:
+                kwargs["async_stager"] = _NoStaging()
+            fut = dcp.async_save(tensors, **kwargs)
+            if not isinstance(fut, concurrent.futures.Future):  # AsyncSaveResponse in some versions
+                fut = fut.upload_completion
+        else:
+            fut = concurrent.futures.Future()
+
+            def run() -> None:
+                try:
+                    fut.set_result(dcp.save(tensors, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    fut.set_exception(exc)
+
+            threading.Thread(target=run, name=f"checkpoint-{snap.step}", daemon=True).start()
+        self._pending = (snap.step, tmp, fut)
+        self._pending_snapshot = snap
+
+    def holds(self, snap: Snapshot) -> bool:
+        """Whether ``snap`` is being written (its buffers must not be reused yet)."""
+        return self._pending is not None and self._pending_snapshot is snap
+
+    def poll(self) -> int | None:
+        """Commit the write in flight if it has finished; returns the committed step or None. Never blocks."""
+        if self._pending is None or not self._pending[2].done():
+            return None
+        return self._finish()
+
+    def wait(self) -> int | None:
+        """Block until the write in flight (if any) is written and committed."""
+        if self._pending is None:
+            return None
+        return self._finish()
+
+    def _finish(self) -> int:
+        step, tmp, fut = self._pending
+        self._pending = self._pending_snapshot = None
+        try:
+            fut.result()
+        except Exception as exc:
+            raise CheckpointError(f"writing the checkpoint of step {step} to {tmp} failed: {exc}") from exc
+        if self.rank == 0:
+            self._commit(step, tmp)
+        self.committed.append(step)
+        return step
+
+    def _commit(self, step: int, tmp: str) -> None:
+        with open(os.path.join(tmp, "COMMIT"), "w") as f:
+            json.dump({"step": step, "world_size": self.world_size}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if self.before_commit is not None:
+            self.before_commit(step)
+        final = os.path.join(self.directory, _name(step))
+        if os.path.exists(final):  # the same step written again after a rewind: replace it
+            old = os.path.join(self.directory, f"{_TMP_PREFIX}old_{_name(step)}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.directory)
+        for old_step in self.complete_steps()[: -self.keep]:
+            shutil.rmtree(os.path.join(self.directory, _name(old_step)), ignore_errors=True)
+
+    # ----- reading ------------------------------------------------------------------------------
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the directory, oldest first."""
+        if not os.path.isdir(self.directory):
+            return []
+        steps = []
+        for entry in os.listdir(self.directory):
+            m = _FINAL.match(entry)
+            if m and self._is_complete(os.path.join(self.directory, entry), int(m.group(1))):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def _is_complete(self, path: str, step: int) -> bool:
+        try:
+            with open(os.path.join(path, "COMMIT")) as f:
+                marker = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return (marker.get("step") == step and marker.get("world_size") == self.world_size
+                and os.path.exists(os.path.join(path, ".metadata")))
+
+    def latest(self) -> int | None:
+        """The newest complete checkpoint's step (rank 0 decides; every rank gets the same answer)."""
+        steps = self.complete_steps() if self.rank == 0 else []
+        value = steps[-1] if steps else -1
+        if self.group is not None:
+            t = torch.tensor([value], dtype=torch.int64)
+            dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+            value = int(t)
+        return None if value < 0 else value
+
+    def load(self, step: int) -> Snapshot:
+        """Read this rank's snapshot of checkpoint ``step`` (collective)."""
+        path = os.path.join(self.directory, _name(step))
+        if not self._is_complete(path, step):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no COMMIT marker or .metadata, or written "
+                                  f"by a different number of ranks than {self.world_size})")
+        meta = torch.load(os.path.join(path, f"skeleton_rank{self.rank}.pt"), weights_only=False)
+        buffers = {f"r{self.rank}.{name}": torch.empty(n, dtype=dtype) for name, (dtype, n) in meta["buffers"].items()}
+        dcp.load(buffers, checkpoint_id=path, process_group=self.group, no_dist=not self.distributed)
+        return Snapshot(meta["step"], meta["position"], meta["skeleton"],
+                        {name: buffers[f"r{self.rank}.{name}"] for name in meta["buffers"]})
+
+    def close(self) -> None:
+        """Finish and commit the write in flight."""
+        self.wait()

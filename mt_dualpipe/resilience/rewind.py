@@ -1,0 +1,447 @@
+"""``Rewind``: a training-step wrapper that detects faults, agrees on them across ranks, and
+returns every rank to the last good snapshot.
+
+One call of ``Rewind.step(batch_fn)`` is one attempt at one optimizer step::
+
+    batch  = batch_fn(position)                # position: the data index; skipped ones are passed over
+    loss   = pipeline.step(*inputs, num_chunks=..., criterion=..., labels=labels)
+    report = local checks (non-finite input / loss / gradient, or the exception the step raised)
+    verdict = agree(report)                    # one small all_gather: identical on every rank
+    ok:    [sync_mirrored_grads()]; grad_hook(); optimizer.step(); maybe snapshot / checkpoint
+    fault: log, count, skip the batch (skip_policy="skip") or not ("retry"),
+           rebuild the pipeline's communication if a step raised, restore the snapshot
+
+``run(batch_fn, num_steps)`` calls ``step`` until ``num_steps`` optimizer steps have succeeded.
+Steps are counted from 0: "step k" is the attempt that would complete optimizer step k+1. The
+optimizer only ever applies gradients the ranks agreed are good, and the replay after a rewind is
+bit-exact (modules, optimizer, RNG states and data position are all restored), so a run that hit
+a fault at step k and skipped its batch ends with exactly the parameters of a clean run that
+never saw that batch.
+
+The pipeline is duck-typed: anything with ``step(*inputs, num_chunks, criterion=None, labels=(),
+return_outputs=False) -> (loss, outputs)``; the local modules are ``modules=`` or, by default, the
+stage modules of ``pipeline.module`` (``mt_dualpipe.Pipeline`` and ``LocalPipeline`` have it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .agree import Agreement, AgreementError, LocalReport, Verdict
+from .checkpoint import CheckpointError, CheckpointManager
+from .detect import FaultKind, LossSpikeDetector, grad_sq_norm, loss_stats, nonfinite_inputs
+from .faults import FaultInjector
+from .snapshot import Snapshot, restore_snapshot, take_snapshot
+
+log = logging.getLogger("mt_dualpipe.resilience")
+
+SKIP_POLICIES = ("skip", "retry")
+
+
+class RewindError(RuntimeError):
+    """Training stopped: too many consecutive faults, or the ranks could not agree (broken group)."""
+
+
+@dataclass
+class FaultEvent:
+    """One fault and what was done about it (the same on every rank)."""
+
+    step: int
+    position: int
+    kind: FaultKind
+    ranks: list[int]
+    cause: str
+    rewound_to: int
+    skipped: bool
+    consecutive: int
+
+
+@dataclass
+class StepResult:
+    """The outcome of one ``Rewind.step`` call."""
+
+    step: int                 # the step attempted (0-based)
+    position: int             # the data position it read
+    ok: bool
+    loss: float | None        # mean of every loss value the ranks computed (None: no criterion anywhere)
+    grad_norm: float          # norm of all ranks' local gradients together
+    fault: FaultEvent | None = None
+
+
+def _split_batch(batch: Any) -> tuple[tuple, tuple]:
+    """(inputs, labels) from what ``batch_fn`` returned: a dict with "inputs"/"labels", a pair, or inputs."""
+    if isinstance(batch, dict):
+        unknown = set(batch) - {"inputs", "labels"}
+        if unknown:
+            raise ValueError(f"batch_fn returned a dict with keys {sorted(unknown)}; allowed: 'inputs', 'labels'")
+        inputs, labels = batch.get("inputs", ()), batch.get("labels", ())
+    elif isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(b, (tuple, list)) for b in batch):
+        inputs, labels = batch
+    else:
+        inputs, labels = batch, ()
+    as_tuple = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (() if v is None else (v,))
+    return as_tuple(inputs), as_tuple(labels)
+
+
+def _local_modules(pipeline: Any, modules: Sequence[nn.Module] | None) -> list[nn.Module]:
+    if modules is not None:
+        return list(modules)
+    stages = getattr(pipeline, "module", None)
+    if isinstance(stages, nn.ModuleList):  # mt_dualpipe.Pipeline, LocalPipeline: the stage modules
+        return list(stages)
+    if isinstance(pipeline, nn.Module):
+        return [pipeline]
+    raise ValueError("pass modules=[...] (the rank's local stage modules): the pipeline is not an nn.Module")
+
+
+class Rewind:
+    """Fault-tolerant training steps over ``pipeline`` (see the module docstring).
+
+    Parameters:
+      pipeline, optimizer: the step object and the optimizer over the local modules' parameters.
+      num_chunks, criterion: passed to ``pipeline.step``.
+      modules: the rank's local stage modules (default: ``pipeline.module`` when it is an
+        ``nn.ModuleList``, as in ``mt_dualpipe.Pipeline``, else ``[pipeline]`` for an ``nn.Module``).
+      snapshot_every: take an in-memory snapshot after every N successful steps (and at step 0).
+      keep: how many snapshots to keep; the n-th consecutive fault rewinds n snapshots back
+        (bounded by what is kept), so a state that was already bad gets left behind.
+      checkpoint_dir: also write every ``checkpoint_every``-th snapshot there, asynchronously, and
+        resume from the newest complete checkpoint on construction (``resume=True``).
+      keep_checkpoints: complete checkpoints kept on disk.
+      spike_zscore, window: a loss more than ``spike_zscore`` standard deviations above the mean of
+        the last ``window`` good losses is a fault (None: off).
+      max_retries: rewinds allowed in a row; one more consecutive fault raises ``RewindError``.
+      skip_policy: "skip" (the offending batch is never read again) or "retry" (replay it; for
+        transient faults).
+      group: the process group whose ranks rewind together (None: the whole world). Rewind creates
+        its own gloo groups for agreement and checkpoints, so construct it on every rank in the
+        same order.
+      timeout: bound, in seconds, of the agreement and checkpoint collectives (default: the
+        pipeline's ``timeout`` + 60, or 600). Must exceed the pipeline's point-to-point timeout.
+      rebuild: ``rebuild(pipeline) -> pipeline``, called on every rank after a step raised on any
+        rank; it must give the pipeline fresh communication (on gloo a timed-out point-to-point
+        wait closes the connection for good). "auto" (default): ``rebuild_pipeline`` for
+        ``mt_dualpipe`` pipelines, nothing for other objects; None: keep the pipeline as is.
+      sync_mirrored: call ``pipeline.sync_mirrored_grads()`` (DualPipe) once the verdict is ok,
+        before ``grad_hook`` and ``optimizer.step()`` (always on the current, maybe rebuilt, pipeline).
+      grad_hook: called after the verdict is ok and before ``optimizer.step()`` (e.g. gradient
+        clipping); it may use collectives.
+      stateful: extra objects with ``state_dict``/``load_state_dict`` (lr schedulers) to snapshot.
+      skip: data positions never to read (e.g. to reproduce a run that skipped a batch).
+      check_inputs: flag NaN/inf in a rank's inputs as a fault ("non-finite input").
+      faults: a ``FaultInjector`` (tests and demos).
+    """
+
+    def __init__(self, pipeline: Any, optimizer: Any, *, num_chunks: int = 1, criterion: Callable | None = None,
+                 modules: Sequence[nn.Module] | None = None, snapshot_every: int = 10, keep: int = 2,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+                 keep_checkpoints: int = 2, resume: bool = True, spike_zscore: float | None = 6.0,
+                 window: int = 50, max_retries: int = 3, skip_policy: str = "skip",
+                 group: dist.ProcessGroup | None = None, timeout: float | None = None,
+                 rebuild: Callable[[Any], Any] | None | str = "auto", grad_hook: Callable[[], None] | None = None,
+                 sync_mirrored: bool = True, stateful: dict[str, Any] | None = None, skip: Sequence[int] = (),
+                 check_inputs: bool = True,
+                 snapshot_device: str | None = "cpu", faults: FaultInjector | None = None):
+        for name, value, minimum in (("snapshot_every", snapshot_every, 1), ("keep", keep, 1),
+                                     ("max_retries", max_retries, 0), ("num_chunks", num_chunks, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer of at least {minimum}, got {value!r}")
+        if skip_policy not in SKIP_POLICIES:
+            raise ValueError(f"skip_policy must be one of {', '.join(SKIP_POLICIES)}, got {skip_policy!r}")
+        checkpoint_every = snapshot_every if checkpoint_every is None else checkpoint_every
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 1 or checkpoint_every % snapshot_every:
+            raise ValueError(f"checkpoint_every must be a positive multiple of snapshot_every={snapshot_every}, "
+                             f"got {checkpoint_every!r}")
+        self.pipeline = pipeline
+        self.optimizer = optimizer
+        self.num_chunks = num_chunks
+        self.criterion = criterion
+        self.modules = _local_modules(pipeline, modules)
+        self.snapshot_every, self.keep, self.checkpoint_every = snapshot_every, keep, checkpoint_every
+        self.max_retries, self.skip_policy = max_retries, skip_policy
+        if rebuild == "auto":
+            rebuild = _auto_rebuild(pipeline)
+        elif rebuild is not None and not callable(rebuild):
+            raise ValueError(f"rebuild must be a callable, None or 'auto', got {rebuild!r}")
+        self.rebuild, self.grad_hook, self.sync_mirrored = rebuild, grad_hook, sync_mirrored
+        self.stateful = dict(stateful or {})
+        self.check_inputs = check_inputs
+        self.snapshot_device = snapshot_device
+        self.faults = faults
+        self.spikes = LossSpikeDetector(spike_zscore, window)
+        if timeout is None:
+            timeout = float(getattr(pipeline, "timeout", 540.0)) + 60.0
+        ranks = None
+        if dist.is_available() and dist.is_initialized():
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.agreement = Agreement(ranks, timeout)
+        self.rank = self.agreement.rank
+
+        self.step_index = 0       # optimizer steps done
+        self.position = 0         # next data position to read
+        self.skipped: set[int] = set(int(s) for s in skip)
+        self.events: list[FaultEvent] = []
+        self.counters: Counter[str] = Counter()
+        # seconds the training thread spent in Rewind's own work: checks, agreement, snapshot, checkpoint, rewind
+        self.seconds: Counter[str] = Counter()
+        self._streak = 0          # consecutive faults
+        self._streak_step = -1    # the step of the last fault
+        self.snapshots: list[Snapshot] = []
+        self.resumed_from: int | None = None  # the checkpoint step this run resumed from
+        self.checkpoints: CheckpointManager | None = None
+        if faults is not None:
+            faults.attach(self.modules)
+        if checkpoint_dir is not None:
+            self.checkpoints = CheckpointManager(checkpoint_dir, keep_checkpoints, ranks, timeout,
+                                                 before_commit=faults.before_commit if faults else None)
+            latest = self.checkpoints.latest() if resume else None
+            if latest is not None:
+                snap = self.checkpoints.load(latest)
+                self._restore(snap)
+                self.resumed_from = latest
+                self.snapshots = [snap]
+                self.counters["resumed"] += 1
+                log.info("rank %d: resumed from checkpoint step %d in %s", self.rank, latest, checkpoint_dir)
+        if not self.snapshots:
+            self._snapshot()
+
+    # ----- state --------------------------------------------------------------------------------
+    def _extra(self) -> dict[str, Any]:
+        return {"skipped": sorted(self.skipped), "loss_history": self.spikes.state()}
+
+    def _snapshot(self) -> Snapshot:
+        spare = None
+        if len(self.snapshots) >= self.keep:  # the oldest goes; its buffers take the new copy
+            spare = self.snapshots.pop(0)
+            if self.checkpoints is not None and self.checkpoints.holds(spare):
+                spare = None  # still being written
+        snap = take_snapshot(self.step_index, self.position, self.modules, self.optimizer, self.stateful,
+                             self._extra(), device=self.snapshot_device, reuse=spare)
+        self.snapshots.append(snap)
+        self.counters["snapshots"] += 1
+        return snap
+
+    def _restore(self, snap: Snapshot) -> None:
+        restore_snapshot(snap, self.modules, self.optimizer, self.stateful)
+        self.step_index, self.position = snap.step, snap.position
+        self.spikes.load(snap.extra.get("loss_history", []))
+        # skipping is knowledge, not state: positions found bad since the snapshot stay skipped
+        self.skipped |= set(snap.extra.get("skipped", []))
+
+    @property
+    def checkpoint_mode(self) -> str | None:
+        """How checkpoints are written: "dcp.async_save" or "thread+dcp.save" (None: no checkpoint_dir)."""
+        return self.checkpoints.mode if self.checkpoints else None
+
+    # ----- stepping -----------------------------------------------------------------------------
+    def _next_position(self) -> int:
+        pos = self.position
+        while pos in self.skipped:
+            pos += 1
+        return pos
+
+    def step(self, batch_fn: Callable[[int], Any]) -> StepResult:
+        """Attempt one optimizer step on ``batch_fn(position)``; on a fault, rewind (see the module docstring)."""
+        step, pos = self.step_index, self._next_position()
+        clock = time.perf_counter
+        t0 = clock()
+        with self._checkpoint_errors(step):
+            if self.checkpoints is not None and self.checkpoints.poll() is not None:
+                self.counters["checkpoints"] += 1
+        report = LocalReport()
+        if self.faults is not None:
+            self.faults.begin_step(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        t1 = clock()
+        try:
+            inputs, labels = _split_batch(batch_fn(pos))
+            t2 = clock()
+            if self.check_inputs:
+                bad = nonfinite_inputs(inputs)
+                if bad is not None:
+                    report.fault(FaultKind.NONFINITE_INPUT, bad)
+            t3 = clock()
+            loss, _ = self.pipeline.step(*inputs, num_chunks=self.num_chunks, criterion=self.criterion,
+                                         labels=labels)
+        except Exception as exc:  # the step's own error (the p2p timeout included) becomes a fault
+            report.fault(FaultKind.EXCEPTION, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+            t2 = t3 = clock()
+        t4 = clock()
+        if report.kind != FaultKind.EXCEPTION:
+            report.loss_sum, report.loss_count, finite = loss_stats(loss)
+            if not finite:
+                report.fault(FaultKind.NONFINITE_LOSS, "loss is NaN or infinite")
+            report.grad_sq = grad_sq_norm(self.modules)
+            if not math.isfinite(report.grad_sq):
+                report.fault(FaultKind.NONFINITE_GRAD, "a local gradient is NaN or infinite")
+        t5 = clock()
+        try:
+            verdict = self.agreement.decide(step, report)
+        except AgreementError as exc:
+            self.counters["agreement_failures"] += 1
+            self._abandon_checkpoint()
+            raise RewindError(str(exc)) from exc
+        t6 = clock()
+        self.seconds["checks"] += (t3 - t2) + (t5 - t4)
+        self.seconds["agreement"] += t6 - t5
+        self.seconds["checkpoint"] += t1 - t0
+        if verdict.ok and verdict.loss is not None:
+            spike, z = self.spikes.is_spike(verdict.loss)
+            if spike:
+                verdict.kind = FaultKind.LOSS_SPIKE
+                verdict.messages = {-1: f"loss {verdict.loss:.6g} has z-score {z:.1f} > {self.spikes.zscore:g} "
+                                        f"over the last {len(self.spikes.history)} good steps"}
+        if not verdict.ok:
+            t = clock()
+            result = self._on_fault(step, pos, verdict)
+            self.seconds["rewind"] += clock() - t
+            return result
+        if self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads"):
+            self.pipeline.sync_mirrored_grads()  # DualPipe: sum the gradients of the mirrored stage copies
+        if self.grad_hook is not None:
+            self.grad_hook()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if verdict.loss is not None:
+            self.spikes.push(verdict.loss)
+        self.step_index, self.position = step + 1, pos + 1
+        if self.step_index > self._streak_step:
+            self._streak = 0
+        self.counters["steps"] += 1
+        if self.step_index % self.snapshot_every == 0:
+            t = clock()
+            snap = self._snapshot()
+            t7 = clock()
+            self.seconds["snapshot"] += t7 - t
+            if self.checkpoints is not None and self.step_index % self.checkpoint_every == 0:
+                with self._checkpoint_errors(step):
+                    self.checkpoints.save(snap)
+                self.seconds["checkpoint"] += clock() - t7
+        return StepResult(step, pos, True, verdict.loss, verdict.grad_norm)
+
+    def _on_fault(self, step: int, pos: int, verdict: Verdict) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._streak += 1
+        self._streak_step = max(self._streak_step, step)
+        self.counters["faults"] += 1
+        self.counters[verdict.kind.name.lower()] += 1
+        cause = verdict.describe()
+        if self._streak > self.max_retries:
+            event = FaultEvent(step, pos, verdict.kind, verdict.faulty_ranks, cause, -1, False, self._streak)
+            self.events.append(event)
+            log.error("rank %d: step %d (data position %d): %s; giving up", self.rank, step, pos, cause)
+            raise RewindError(f"step {step} (data position {pos}): {cause}; stopped after {self._streak} consecutive "
+                              f"faults (max_retries={self.max_retries})")
+        skip = self.skip_policy == "skip"
+        if skip:
+            self.skipped.add(pos)
+            self.counters["skipped_batches"] += 1
+        if verdict.kind == FaultKind.EXCEPTION and self.rebuild is not None:
+            self.pipeline = self.rebuild(self.pipeline)
+            self.counters["rebuilds"] += 1
+        index = max(0, len(self.snapshots) - self._streak)
+        target = self.snapshots[index]
+        del self.snapshots[index + 1:]  # newer snapshots belong to the abandoned timeline
+        self._restore(target)
+        self.counters["rewinds"] += 1
+        event = FaultEvent(step, pos, verdict.kind, verdict.faulty_ranks, cause, target.step, skip, self._streak)
+        self.events.append(event)
+        log.warning("rank %d: step %d (data position %d): %s; rewound to step %d%s", self.rank, step, pos, cause,
+                    target.step, f", batch {pos} skipped" if skip else ", batch will be retried")
+        return StepResult(step, pos, False, verdict.loss, verdict.grad_norm, event)
+
+    def run(self, batch_fn: Callable[[int], Any], num_steps: int,
+            on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        """Call ``step`` until ``step_index == num_steps`` (steps in total: a resumed run counts those done
+        before the crash); returns every attempt's result."""
+        results = []
+        while self.step_index < num_steps:
+            res = self.step(batch_fn)
+            results.append(res)
+            if on_step is not None:
+                on_step(res)
+        return results
+
+    @contextlib.contextmanager
+    def _checkpoint_errors(self, step: int) -> Iterator[None]:
+        try:
+            yield
+        except CheckpointError as exc:
+            self.counters["checkpoint_failures"] += 1
+            raise RewindError(f"step {step}: {exc}") from exc
+
+    def _abandon_checkpoint(self) -> None:
+        """Before giving up: commit the checkpoint in flight if it can still complete, else log why not."""
+        if self.checkpoints is None:
+            return
+        try:
+            if self.checkpoints.wait() is not None:
+                self.counters["checkpoints"] += 1
+        except CheckpointError as exc:
+            log.error("rank %d: %s", self.rank, exc)
+
+    def close(self) -> None:
+        """Wait for the checkpoint being written and commit it."""
+        if self.checkpoints is not None and self.checkpoints.wait() is not None:
+            self.counters["checkpoints"] += 1
+
+    def __enter__(self) -> Rewind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """The same ``mt_dualpipe`` Pipeline / DualPipe / DualPipeV (same stage modules, schedule, timeout)
+    on a fresh process group over the same ranks: what ``Rewind`` needs after a step raised, since
+    a timed-out or failed point-to-point wait leaves the old group unusable (gloo closes the pair).
+
+    Collective over the default group (``dist.new_group``); supports pipelines built without a
+    ``rank_mapping``. Pass your own ``rebuild=`` to ``Rewind`` for anything else.
+    """
+    from ..runtime.modules import DualPipe, DualPipeV, Pipeline
+
+    if not isinstance(old, Pipeline):
+        raise TypeError(f"rebuild_pipeline rebuilds mt_dualpipe pipelines, got {type(old).__name__}; pass rebuild=")
+    if old.rank != dist.get_rank(old.group):
+        raise ValueError("rebuild_pipeline supports pipelines without rank_mapping; pass your own rebuild=")
+    if group is None:
+        group = dist.new_group(ranks=dist.get_process_group_ranks(old.group), backend=dist.get_backend(old.group))
+    if isinstance(old, (DualPipe, DualPipeV)):
+        new = type(old)(tuple(old.module), batch_dim=old.batch_dim, process_group=group, timeout=old.timeout)
+    else:
+        new = Pipeline(list(old.module), old.schedule, group, batch_dim=old.batch_dim, timeout=old.timeout,
+                       schedule_options=old.schedule_options)
+    new.record_timeline = old.record_timeline
+    return new
+
+
+def _auto_rebuild(pipeline: Any) -> Callable[[Any], Any] | None:
+    """``rebuild_pipeline`` for mt_dualpipe pipelines, None (keep as is) for anything else."""
+    try:
+        from ..runtime.modules import Pipeline
+    except ImportError:  # pragma: no cover - the runtime is part of the package
+        return None
+    return rebuild_pipeline if isinstance(pipeline, Pipeline) else None
+
+
+def fresh_group(ranks: Sequence[int] | None = None, backend: str | None = None,
+                timeout: float | None = None) -> dist.ProcessGroup:
+    """A new process group over ``ranks`` (default: the world) for a rebuilt pipeline (collective)."""
+    kwargs: dict[str, Any] = {"ranks": list(ranks) if ranks is not None else None, "backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    return dist.new_group(**kwargs)
