@@ -1,0 +1,160 @@
+"""Backward passes of one stage: fused (BW), and split into B (input grads) and W (weight grads).
+
+All calls go straight to the autograd engine (as deepseek's ``run_backward`` does): a sent
+output's storage may already be released, and the engine only needs its graph, not its values.
+
+Generic split (any ``nn.Module``). Call a graph node an *input node* when a stage input's gradient
+is reachable from it. B runs the engine from the stage outputs restricted to the stage inputs, so
+every node computes only the outputs the inputs need: a linear layer's node computes its input
+gradient and skips its weight-gradient GEMM. The *frontier* nodes are the input nodes with an edge
+into a weight-only part of the graph; B captures the gradient arriving at each of them (a pre-hook)
+and keeps the graph. W re-runs each frontier node from that captured gradient, restricted to the
+weights below it, so the node now computes only its weight gradients; one engine call per frontier
+node, because a combined call would also flow from one frontier node down the input path into the
+next and count that one twice. Roots that reach no input go to W whole.
+
+The split falls back to a full backward in B (W then has nothing left) when it cannot be exact: a
+frontier node that is a custom ``autograd.Function`` (its backward computes what it computes), or
+two frontier nodes that reach the same weight. Layers that want the split anyway use the fast path
+(``WeightGradStore``, see ``weight_grad.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+def run_backward(tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor | None]) -> None:
+    """Backward from ``tensors`` with ``grad_tensors``, accumulating into every leaf's ``.grad``.
+
+    The same contract as deepseek DualPipe's ``run_backward``, for ``overlapped_forward_backward`` hooks.
+    """
+    _engine.run_backward(tuple(tensors), tuple(grad_tensors), False, False, (), True, True)
+
+
+def backward_roots(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
+    """The (output, grad) pairs a backward starts from: outputs that need a grad and got one."""
+    roots, gs = [], []
+    for t, g in zip(outputs, grads):
+        if g is not None and t.requires_grad:
+            roots.append(t)
+            gs.append(g)
+    return roots, gs
+
+
+def full_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor | None],
+                  inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """BW: one engine call accumulating every gradient; returns the inputs' gradients."""
+    if roots:
+        _engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
+    return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+
+
+class _Split:
+    """What W needs from a split B: per frontier node, its captured grads and the weights below it."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: list[tuple[tuple, tuple, tuple]]):
+        self.calls = calls  # (edges, grads, weights) per engine call; weights () = every leaf reached
+
+    def run(self) -> None:
+        for edges, grads, weights in self.calls:
+            _engine.run_backward(edges, grads, True, False, weights, True, True)
+        self.calls = []
+
+
+def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
+    """Classify the graph below ``roots``: input nodes, frontier nodes and the weights under them."""
+    input_nodes = {get_gradient_edge(x).node for x in inputs}
+    reaches_input: dict[Any, bool] = {}
+    weights_under: dict[Any, frozenset] = {}  # for weight-only nodes: the leaves they reach
+    children: dict[Any, list] = {}
+    starts = [t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node for t in roots]
+    stack = [(n, False) for n in starts]
+    empty = frozenset()
+    while stack:  # iterative post-order DFS: children are classified before their parent
+        node, done = stack.pop()
+        if node in reaches_input:
+            continue
+        if not done:
+            kids = children.get(node)
+            if kids is None:
+                kids = children[node] = [c for c, _ in node.next_functions if c is not None]
+            stack.append((node, True))
+            stack.extend((c, False) for c in kids if c not in reaches_input)
+            continue
+        if node in input_nodes:
+            reaches_input[node] = True
+            continue
+        kids = children[node]
+        hit = False
+        for c in kids:
+            if reaches_input[c]:
+                hit = True
+                break
+        reaches_input[node] = hit
+        if not hit:
+            leaves = frozenset((node,)) if not kids and hasattr(node, "variable") else empty
+            weights_under[node] = leaves.union(*(weights_under[c] for c in kids)) if kids else leaves
+    frontier = []
+    for node, hit in reaches_input.items():
+        if not hit or node in input_nodes:
+            continue
+        below = [weights_under[c] for c in children[node] if not reaches_input[c]]
+        if below:
+            leaves = empty.union(*below)
+            if leaves:
+                frontier.append((node, leaves))
+    return starts, reaches_input, frontier
+
+
+def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], _Split | None]:
+    """B of the generic split: the inputs' gradients now, and what W needs later (None: nothing left)."""
+    req = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not roots:
+        return [None] * len(inputs), None
+    if not req:  # nothing to hand back: all the work is weight gradients, done at W
+        return [None] * len(inputs), _Split([(tuple(roots), tuple(grads), ())])
+    starts, reaches_input, frontier = _analyse(roots, req)
+    seen: set = set()
+    fallback = False
+    for node, leaves in frontier:
+        if isinstance(node, BackwardCFunction) or seen & leaves:
+            fallback = True
+            break
+        seen |= leaves
+    if fallback:
+        return full_backward(roots, grads, inputs), None
+    captured: dict[Any, tuple] = {}
+    handles = []
+    for node, _ in frontier:
+        handles.append(node.register_prehook(lambda g, node=node: captured.__setitem__(node, g)))
+    try:
+        got = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req), True, False)
+    finally:
+        for h in handles:
+            h.remove()
+    calls = []
+    for node, leaves in frontier:
+        gs = captured.get(node)
+        if gs is None:
+            continue
+        pairs = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
+        if pairs:
+            weights = tuple(leaf.variable for leaf in leaves)
+            calls.append((tuple(e for e, _ in pairs), tuple(g for _, g in pairs), weights))
+    for root, start, g in zip(roots, starts, grads):
+        if not reaches_input.get(start, False):
+            calls.append(((root,), (g,), ()))
+    it = iter(got)
+    input_grads = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+    return input_grads, (_Split(calls) if calls else None)

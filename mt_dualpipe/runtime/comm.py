@@ -1,0 +1,316 @@
+"""Batched point-to-point communication with learned shapes and timed waits.
+
+One ``CommBatch`` of the program becomes one ``batch_isend_irecv`` call. A message is what one
+SEND carries: the tensors a stage's F outputs, or the input gradients its B produced (``None``
+where an input has no gradient). Messages are keyed ``(direction, chain, sending stage, mb)``.
+
+Shapes are never configured. The first time a message key is used, both sides exchange a small
+metadata tensor (tag ``META_TAG``, on a gloo side group when the data backend is not gloo) that
+lists each tensor's dtype and shape, then cache it; later steps post the data directly. At the
+start of every step each rank compares a fingerprint of its inputs with its last step's (one tiny
+all-reduce); when any rank's changed, every cache is dropped and the shapes are learned again. A sender whose tensors
+differ from what the key's cache says within a step raises ``PipelineError`` instead of sending.
+
+Every wait has a timeout; a wait that expires raises ``PipelineTimeoutError`` naming the rank, the
+instruction, the peer and the message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .device import StreamSync
+from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
+
+META_TAG = 1
+DATA_TAG = 0
+META_LEN = 256
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES.append(getattr(torch, _name))
+_CODE = {d: i for i, d in enumerate(DTYPES)}
+
+Meta = tuple  # per tensor: (dtype, shape) or None
+
+
+def describe(meta: Meta) -> str:
+    return "[" + ", ".join("None" if m is None else f"{tuple(m[1])} {str(m[0]).replace('torch.', '')}"
+                           for m in meta) + "]"
+
+
+def meta_of(tensors: Sequence[torch.Tensor | None]) -> Meta:
+    return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def encode(meta: Meta) -> torch.Tensor:
+    flat = [len(meta)]
+    for m in meta:
+        if m is None:
+            flat += [-1, 0]
+        else:
+            if m[0] not in _CODE:
+                raise PipelineError(f"cannot send dtype {m[0]}; supported: {', '.join(str(d) for d in DTYPES)}")
+            flat += [_CODE[m[0]], len(m[1]), *m[1]]
+    if len(flat) > META_LEN:
+        raise PipelineError(f"message metadata needs {len(flat)} integers, more than {META_LEN}: too many tensors "
+                            "or dimensions in one stage output")
+    buf = torch.zeros(META_LEN, dtype=torch.int64)
+    buf[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
+    return buf
+
+
+def decode(buf: torch.Tensor) -> Meta:
+    vals = buf.tolist()
+    n, i, out = vals[0], 1, []
+    for _ in range(n):
+        code, ndim = vals[i], vals[i + 1]
+        i += 2
+        if code < 0:
+            out.append(None)
+        else:
+            out.append((DTYPES[code], tuple(vals[i: i + ndim])))
+            i += ndim
+    return tuple(out)
+
+
+def message_key(kind: str, chain: int, stage: int, mb: int) -> tuple:
+    """The key of the message a comm op moves: (direction, chain, sending stage, mb)."""
+    if kind == "SEND_F":
+        return ("F", chain, stage, mb)
+    if kind == "RECV_F":
+        return ("F", chain, stage - 1, mb)
+    if kind == "SEND_B":
+        return ("B", chain, stage, mb)
+    return ("B", chain, stage + 1, mb)
+
+
+class _Recv:
+    """A posted receive: data buffers (None while only the metadata receive ``meta`` is posted)."""
+
+    __slots__ = ("bufs", "works", "where", "comm", "event", "meta")
+
+    def __init__(self, bufs, works, where, comm, event, meta=None):
+        self.bufs, self.works, self.where, self.comm, self.event, self.meta = bufs, works, where, comm, event, meta
+
+
+class P2P:
+    """Point-to-point messaging of one rank of a pipeline (see the module docstring)."""
+
+    def __init__(self, rank: int, peers_global: Sequence[int], group: Any, device: torch.device,
+                 timeout: float):
+        self.rank = rank
+        self.peers_global = list(peers_global)  # pipeline rank -> global rank
+        self.group = group
+        ranks_in_group = dist.get_process_group_ranks(group)
+        self.peers_group = [ranks_in_group.index(g) for g in self.peers_global]  # pipeline rank -> group rank
+        self.device = torch.device(device)
+        self.timeout = float(timeout)
+        backend = dist.get_backend(group)
+        self.meta_group = group if backend == "gloo" else dist.new_group(self.peers_global, backend="gloo")
+        # gloo has no coalescing: post each op straight on the process group (what isend/irecv end in)
+        self.direct = backend == "gloo" and type(group) is dist.ProcessGroup
+        self.sync = StreamSync(self.device)
+        self.cache: dict[tuple, Meta] = {}
+        self.fingerprint: int | None = None
+        self.recvs: dict[tuple, _Recv] = {}
+        self.sends: deque[tuple] = deque()  # (works, tensors to free, where, comm), oldest first
+        self.tag_chains, self.tag_stages = 1, 1
+        self._group_rank = dict(zip(self.peers_global, self.peers_group))  # global rank -> group rank
+
+    # ----- per step ---------------------------------------------------------------------------
+    def start_step(self, signature: object) -> bool:
+        """Agree with all ranks whether shapes must be learned again; returns True if they must.
+
+        Each rank compares the fingerprint of its own inputs with its last step's; one tiny
+        all-reduce (MAX) tells everyone whether any rank's changed.
+        """
+        fp = zlib.crc32(repr(signature).encode())
+        flag = torch.tensor([int(fp != self.fingerprint)], dtype=torch.int64)
+        work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.meta_group, async_op=True)
+        self._wait([work], (0, "step start"), "every rank to start the step (input fingerprint all-reduce)", -1)
+        self.fingerprint = fp
+        if int(flag):
+            self.cache.clear()
+            return True
+        return False
+
+    def forget(self) -> None:
+        """Drop every learned shape and pending message (after a failed step)."""
+        self.cache.clear()
+        self.fingerprint = None
+        self.recvs.clear()
+        self.sends.clear()
+
+    def _timeout_error(self, where: tuple, what: str, peer: int, exc: BaseException | None,
+                       how: str = "failed waiting") -> PipelineCommError:
+        idx, op = where
+        text = str(exc).splitlines()[0][:200] if exc is not None else ""
+        timed_out = exc is None or "imed out" in text
+        if timed_out:
+            how = f"waited more than {self.timeout:g}s"
+        cause = f" ({text})" if text else ""
+        return (PipelineTimeoutError if timed_out else PipelineCommError)(
+            f"rank {self.rank}: instruction {idx} {op} {how} for {what} with "
+            f"{'peer rank ' + str(peer) if peer >= 0 else 'the other ranks'}; "
+            f"the peer is hung, failed or runs a different program{cause}")
+
+    def _wait(self, works: Sequence[Any], where: tuple, what: str, peer: int) -> None:
+        td = datetime.timedelta(seconds=self.timeout)
+        for w in works:
+            try:
+                ok = w.wait(td)
+            except RuntimeError as exc:
+                raise self._timeout_error(where, what, peer, exc) from None
+            if ok is False:
+                raise self._timeout_error(where, what, peer, None)
+
+    # ----- posting ----------------------------------------------------------------------------
+    def tag(self, key: tuple) -> int:
+        """A tag unique to the message within a step, so gloo matches messages by key, not by order."""
+        d, c, s, m = key
+        return DATA_TAG + 2 + 2 * ((m * self.tag_stages + s) * self.tag_chains + c) + (d == "B")
+
+    def set_shape(self, num_chains: int, num_stages: int) -> None:
+        self.tag_chains, self.tag_stages = num_chains, num_stages
+
+    def post(self, where: tuple, sends: Sequence[tuple], recvs: Sequence[tuple]) -> None:
+        try:
+            self._post(where, sends, recvs)
+        except RuntimeError as exc:
+            if isinstance(exc, PipelineError):
+                raise
+            peers = sorted({c.peer for c, *_ in list(sends) + list(recvs)})
+            raise self._timeout_error(where, "posting its messages", peers[0] if len(peers) == 1 else -1, exc,
+                                      "failed") from None
+
+    def _post(self, where: tuple, sends: Sequence[tuple], recvs: Sequence[tuple]) -> None:
+        """Post one batch. ``sends``: (comm, key, tensors, free); ``recvs``: (comm, key).
+
+        ``where`` is (instruction index, instruction) for error messages. Received tensors are
+        taken later with ``take``; sent tensors listed in ``free`` lose their storage once sent.
+        A message whose shapes are not known yet sends its metadata first; its receive is posted
+        when the metadata is there, at ``take`` (so posting never blocks).
+        """
+        self._reap()
+        ops: list = []
+        owner: list[int] = []  # per op: index in sends (>= 0) or -1 - index in recvs
+        for i, (comm, key, tensors, _) in enumerate(sends):
+            meta = meta_of(tensors)
+            known = self.cache.get(key)
+            if known is None:
+                self.cache[key] = meta
+                work = dist.isend(encode(meta), self.peers_global[comm.peer], self.meta_group, META_TAG)
+                self.sends.append(([work], [], where, comm))
+            elif meta != known:
+                raise PipelineError(
+                    f"rank {self.rank}: instruction {where[0]} {comm}: the stage produced tensors "
+                    f"{describe(meta)} but peer rank {comm.peer} expects {describe(known)} in this step; "
+                    "shapes and dtypes may change between steps (when the inputs change), not within one")
+            dst, tag = self.peers_global[comm.peer], self.tag(key)
+            for t in tensors:
+                if t is not None:
+                    ops.append((True, t if t.is_contiguous() else t.contiguous(), dst, tag))
+                    owner.append(i)
+        late = []
+        for i, (comm, key) in enumerate(recvs):
+            meta = self.cache.get(key)
+            if meta is None:  # learn the shapes first; the data receive is posted at take()
+                buf = torch.empty(META_LEN, dtype=torch.int64)
+                work = dist.irecv(buf, self.peers_global[comm.peer], self.meta_group, META_TAG)
+                late.append((comm, key, work, buf))
+                continue
+            bufs = self._recv_ops(comm, key, meta, ops, owner, -1 - i)
+            self.recvs[key] = _Recv(bufs, [], where, comm, None)
+        works = self._launch(ops)
+        event = self.sync.record()
+        per_op = len(works) == len(ops)
+        for i, (comm, _, _, free) in enumerate(sends):
+            mine = [w for w, j in zip(works, owner) if j == i] if per_op else works
+            self.sends.append((mine, free, where, comm))
+        for i, (_, key) in enumerate(recvs):
+            r = self.recvs.get(key)
+            if r is not None and r.where is where:
+                r.works = [w for w, j in zip(works, owner) if j == -1 - i] if per_op else works
+                r.event = event
+        for comm, key, work, buf in late:
+            self.recvs[key] = _Recv(None, [work], where, comm, None, buf)
+
+    def _recv_ops(self, comm, key, meta: Meta, ops: list, owner: list, slot: int) -> list:
+        src, tag = self.peers_global[comm.peer], self.tag(key)
+        bufs = []
+        for m in meta:
+            if m is None:
+                bufs.append(None)
+                continue
+            b = torch.empty(m[1], dtype=m[0], device=self.device)
+            ops.append((False, b, src, tag))
+            owner.append(slot)
+            bufs.append(b)
+        return bufs
+
+    def _launch(self, ops: list) -> list:
+        """Post ``ops`` = [(is_send, tensor, global peer, tag)] as one batch; one work per op (or per batch)."""
+        if not ops:
+            return []
+        if self.direct:
+            g, peer_of = self.group, self._group_rank
+            return [g.send([t], peer_of[peer], tag) if is_send else g.recv([t], peer_of[peer], tag)
+                    for is_send, t, peer, tag in ops]
+        with self.sync.comm():
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer, self.group, tag)
+                                           for is_send, t, peer, tag in ops])
+
+    # ----- completion ---------------------------------------------------------------------------
+    def take(self, key: tuple, consumer: tuple, requires_grad: bool) -> list[torch.Tensor | None]:
+        """Wait for the message ``key`` (right before ``consumer`` = (index, op) uses it) and return it."""
+        r = self.recvs.pop(key, None)
+        if r is None:
+            raise PipelineError(f"rank {self.rank}: instruction {consumer[0]} {consumer[1]} needs message {key} "
+                                "but no instruction before it received it; the program is not a valid lowering")
+        if r.bufs is None:  # shapes first (learning step), then the data
+            self._wait(r.works, consumer, f"the shapes of {r.comm} (posted by instruction {r.where[0]})",
+                       r.comm.peer)
+            meta = self.cache[key] = decode(r.meta)
+            ops, owner = [], []
+            r.bufs = self._recv_ops(r.comm, key, meta, ops, owner, 0)
+            r.works = self._launch(ops)
+            r.event = self.sync.record()
+        self._wait(r.works, consumer, f"{r.comm} (posted by instruction {r.where[0]})", r.comm.peer)
+        self.sync.consume(r.event, [b for b in r.bufs if b is not None])
+        if requires_grad:
+            for b in r.bufs:
+                if b is not None and (b.is_floating_point() or b.is_complex()):
+                    b.requires_grad_()
+        return r.bufs
+
+    def _reap(self) -> None:
+        """Release the storage of sends that have completed (never blocks)."""
+        sends = self.sends
+        while sends and all(w.is_completed() for w in sends[0][0]):  # oldest first; stop at one in flight
+            _release(sends.popleft()[1])
+
+    def finish(self, where: tuple) -> None:
+        """Wait for every outstanding send; called at the end of a step."""
+        for works, free, _, comm in self.sends:
+            self._wait(works, where, f"{comm} to complete", comm.peer)
+            _release(free)
+        self.sends.clear()
+        if self.recvs:
+            keys = ", ".join(str(k) for k in self.recvs)
+            self.recvs.clear()
+            raise PipelineError(f"rank {self.rank}: the step ended with received messages nobody used: {keys}")
+
+
+def _release(tensors: Sequence[torch.Tensor]) -> None:
+    """Drop a sent output's storage; its autograd graph stays for the backward."""
+    for t in tensors:
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -1,0 +1,235 @@
+"""The user-facing modules: ``Pipeline`` (any schedule), ``DualPipe`` and ``DualPipeV`` (drop-ins).
+
+They are thin: build the schedule for the step's number of micro-batches, lower it once, split the
+inputs and labels into micro-batches, run the ``Executor`` and stack the losses. Which rank gets
+what follows from the placement alone: a rank passes inputs for the chain whose first stage it
+holds and labels for the chain whose last stage it holds, and gets that chain's losses (and
+outputs) back, in micro-batch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..schedules.ir import Schedule
+from ..schedules.lower import lower
+from ..schedules.registry import build_schedule
+from .comm import P2P
+from .device import backend_for, module_device
+from .errors import PipelineError
+from .executor import Executor
+from .timeline import gather_timeline
+from .weight_grad import WeightGradStore
+
+
+def _split(values: Sequence[Any], n: int, dim: int, what: str) -> list[tuple]:
+    """Split every tensor of ``values`` into ``n`` micro-batches along ``dim`` (None stays None)."""
+    per_value = []
+    for v in values:
+        if v is None:
+            per_value.append([None] * n)
+        elif isinstance(v, torch.Tensor):
+            if v.dim() <= dim or v.shape[dim] < n:
+                size = "no such dim" if v.dim() <= dim else f"size {v.shape[dim]}"
+                raise PipelineError(f"{what} of shape {tuple(v.shape)} cannot be split into {n} micro-batches "
+                                    f"along batch_dim={dim} ({size}); it needs at least {n} rows there")
+            per_value.append(list(torch.tensor_split(v, n, dim)))
+        else:
+            raise PipelineError(f"{what} must be Tensors or None, got {type(v).__name__}")
+    return [tuple(p[i] for p in per_value) for i in range(n)]
+
+
+class Pipeline(nn.Module):
+    """Run any schedule (a registered name or a ``Schedule``) on ``process_group``.
+
+    ``stage_modules``: the modules of the stages this rank runs, in the order of
+    ``schedule.local_stages(rank)``. ``schedule_options`` go to ``build_schedule`` for a name.
+    ``timeout`` (seconds) bounds every point-to-point wait. Set ``record_timeline = True`` to have
+    each step's measured ``Timeline`` in ``self.timeline`` on the pipeline's first rank.
+    ``peak_activations`` is this rank's peak of in-flight stage activations in the last training
+    step (+1 at F, -1 at W or BW: the simulator's count).
+
+    A schedule given by name is built on every rank; for a searched one (``auto``) build it once
+    and pass the same ``Schedule`` everywhere.
+    """
+
+    def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
+                 process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
+                 batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise PipelineError("torch.distributed is not initialized; call dist.init_process_group first")
+        self.module = nn.ModuleList(stage_modules)
+        self.group = process_group or dist.distributed_c10d._get_default_group()
+        self.num_ranks = dist.get_world_size(self.group)
+        mapping = list(rank_mapping) if rank_mapping is not None else list(range(self.num_ranks))
+        if sorted(mapping) != list(range(self.num_ranks)):
+            raise PipelineError(f"rank_mapping must be a permutation of 0..{self.num_ranks - 1}, got {mapping}")
+        inverse = [0] * self.num_ranks
+        for group_rank, pp_rank in enumerate(mapping):
+            inverse[pp_rank] = group_rank
+        self.rank = mapping[dist.get_rank(self.group)]
+        peers = [dist.get_global_rank(self.group, inverse[p]) for p in range(self.num_ranks)]
+        if isinstance(schedule, Schedule) and schedule.num_ranks != self.num_ranks:
+            raise PipelineError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the process group "
+                                f"has {self.num_ranks}")
+        self.schedule = schedule
+        self.schedule_options = dict(schedule_options or {})
+        self.batch_dim = batch_dim
+        self.device = module_device(self.module)
+        wanted, have = backend_for(self.device), dist.get_backend(self.group)
+        if wanted not in str(have):
+            raise PipelineError(f"the stage modules are on {self.device}, which needs a {wanted!r} process group, "
+                                f"but the group's backend is {have!r}; init the group with backend={wanted!r}")
+        self.p2p = P2P(self.rank, peers, self.group, self.device, timeout)
+        self.store = WeightGradStore()
+        self._executors: dict[int, Executor] = {}
+        self.record_timeline = False
+        self.timeline = None
+        self.peak_activations: int | None = None
+
+    @property
+    def timeout(self) -> float:
+        return self.p2p.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.p2p.timeout = float(seconds)
+
+    def executor(self, num_chunks: int) -> Executor:
+        """The executor (schedule built and lowered once) for ``num_chunks`` micro-batches."""
+        if num_chunks not in self._executors:
+            if isinstance(self.schedule, Schedule):
+                if num_chunks != self.schedule.num_microbatches:
+                    raise PipelineError(f"schedule {self.schedule.name!r} has {self.schedule.num_microbatches} "
+                                        f"micro-batches but step got num_chunks={num_chunks}")
+                sched = self.schedule
+            else:
+                sched = build_schedule(self.schedule, self.num_ranks, num_chunks, **self.schedule_options)
+            self._executors[num_chunks] = Executor(lower(sched), self.rank, list(self.module), self.p2p, self.store)
+        return self._executors[num_chunks]
+
+    def _chain_here(self, sched: Schedule, position: int) -> int | None:
+        """The chain whose first (position 0) or last (position -1) stage is on this rank, if any."""
+        chains = [c for c, ranks in enumerate(sched.placement) if ranks[position] == self.rank]
+        if len(chains) > 1:
+            raise PipelineError(f"rank {self.rank} holds the {'first' if position == 0 else 'last'} stage of chains "
+                                f"{chains}; a rank may feed (or end) at most one chain")
+        return chains[0] if chains else None
+
+    def step(self, *inputs: torch.Tensor | None, num_chunks: int, criterion: Callable | None = None,
+             labels: Sequence[torch.Tensor | None] = (), return_outputs: bool = False) -> tuple[Any, Any]:
+        """One training step (or, under ``torch.no_grad()``, an inference step) over ``num_chunks`` micro-batches.
+
+        ``inputs`` are needed only on a rank holding a chain's first stage and are split into that
+        chain's micro-batches along ``batch_dim``; ``labels`` likewise on a rank holding a chain's
+        last stage, where ``criterion(*outputs, *labels)`` gives each micro-batch's loss. Gradients
+        are those of the sum of the micro-batch losses. Returns ``(loss, outputs)``: the stacked
+        losses of the chain ending on this rank (None elsewhere or without criterion) and, with
+        ``return_outputs``, its outputs concatenated along ``batch_dim`` (one tensor if the stage
+        returns one).
+        """
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise PipelineError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+        ex = self.executor(num_chunks)
+        sched = ex.program.schedule
+        forward_only = not torch.is_grad_enabled()
+        first, last = self._chain_here(sched, 0), self._chain_here(sched, -1)
+        mb_inputs: dict[int, tuple] = {}
+        if first is not None:
+            mbs = sched.microbatches_of(first)
+            if not inputs or all(x is None for x in inputs):
+                raise PipelineError(f"rank {self.rank} holds the first stage of chain {first} and needs the step's "
+                                    "inputs")
+            mb_inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs")))
+        mb_labels: dict[int, tuple] = {}
+        if last is not None:
+            mbs = sched.microbatches_of(last)
+            if not forward_only and criterion is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage of chain {last}: a training step needs "
+                                    "criterion here")
+            mb_labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels")))
+        try:
+            res = ex.run(mb_inputs, mb_labels, criterion, forward_only, return_outputs, self.record_timeline)
+        except BaseException:
+            self.store.clear()
+            self.p2p.forget()  # the ranks may disagree on what was learned: learn again next step
+            raise
+        if not forward_only:
+            self.peak_activations = res.peak_activations
+        if self.record_timeline:
+            self.timeline = gather_timeline(res.events, sched.name, sched.num_ranks, sched.num_microbatches,
+                                            self.rank, self.p2p.meta_group, self.p2p.peers_global[0])
+        loss = outputs = None
+        if last is not None:
+            mbs = sched.microbatches_of(last)
+            if criterion is not None:
+                loss = torch.stack([res.losses[m] for m in mbs])
+            if return_outputs:
+                per_mb = [res.outputs[m] for m in mbs]
+                outputs = tuple(torch.cat([o[i] for o in per_mb], self.batch_dim) for i in range(len(per_mb[0])))
+                if len(outputs) == 1:
+                    outputs = outputs[0]
+        return loss, outputs
+
+
+class DualPipe(Pipeline):
+    """Drop-in for deepseek-ai/DualPipe: ``modules`` = (the module of stage r, the module of stage P-1-r).
+
+    ``step(*inputs, num_chunks=M, ...)``: M micro-batches in total, M/2 entering at each end. The
+    first rank's inputs feed chain 0 and the last rank's chain 1; the loss (stacked per
+    micro-batch) comes back on the first and last rank, the first rank's belonging to the last
+    rank's inputs and vice versa; labels likewise. A module class with
+    ``overlapped_forward_backward`` runs the F&B units itself (deepseek's contract). Call
+    ``sync_mirrored_grads()`` after the step: rank r and P-1-r hold copies of the same layers.
+    """
+
+    def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
+                 process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
+                 *, timeout: float = 300.0):
+        if len(modules) != 2:
+            raise PipelineError(f"DualPipe takes two modules (stage r, stage P-1-r), got {len(modules)}")
+        super().__init__(list(modules), "dualpipe", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
+                         timeout=timeout)
+
+    def sync_mirrored_grads(self) -> None:
+        """Sum the gradients of the mirrored stage copies so the optimizer sees the full gradient."""
+        mirror = self.num_ranks - 1 - self.rank
+        mine = [p for m in self.module for p in m.parameters()]
+        flat = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
+        send = torch.cat([g.reshape(-1) for g in flat]) if flat else torch.zeros(0)
+        recv = torch.empty_like(send)
+        peer = self.p2p.peers_global[mirror]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, self.group),
+                                        dist.P2POp(dist.irecv, recv, peer, self.group)])
+        for w in works:
+            w.wait()
+        # the mirror's module 1 is this rank's module 0 and vice versa
+        n1 = sum(p.numel() for p in self.module[1].parameters())  # = the mirror's module 0
+        theirs = torch.cat([recv[n1:], recv[:n1]])
+        offset = 0
+        for p, g in zip(mine, flat):
+            n = p.numel()
+            p.grad = g + theirs[offset: offset + n].view_as(p)
+            offset += n
+
+
+class DualPipeV(Pipeline):
+    """Drop-in for DualPipeV: ``modules`` = (the module of stage r, the module of stage 2P-1-r).
+
+    One chain of 2P stages in a V; inputs, labels, loss and outputs live on rank 0.
+    ``num_chunks`` is the number of micro-batches (at least 2P).
+    """
+
+    def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
+                 process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
+                 *, timeout: float = 300.0):
+        if len(modules) != 2:
+            raise PipelineError(f"DualPipeV takes two modules (stage r, stage 2P-1-r), got {len(modules)}")
+        super().__init__(list(modules), "dualpipev", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
+                         timeout=timeout)

@@ -1,0 +1,114 @@
+"""Run a function on N local gloo ranks (spawned processes) with a timeout.
+
+``run_ranks(fn, world_size, *args, timeout=60)`` starts ``world_size`` processes with the spawn
+method, initialises a gloo process group on 127.0.0.1 with a free port, sets
+``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)`` in each and returns the list of
+per-rank return values. A rank that raises makes ``run_ranks`` raise ``RankError`` carrying that
+rank's traceback (the root cause first: a rank that failed on its own beats one that timed out
+waiting for it), or, with ``return_exceptions=True``, puts a ``RankFailure`` in its slot. A run
+that takes longer than ``timeout`` seconds is killed and raises ``TimeoutError``, so a hang fails
+the test instead of blocking it. ``fn`` must be a module-level function (it is pickled); return
+values travel by plain pickle.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+class RankError(RuntimeError):
+    def __init__(self, failure: RankFailure):
+        super().__init__(f"rank {failure.rank} raised {failure.type_name}: {failure.message}\n{failure.traceback}")
+        self.failure = failure
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, pickle.dumps(out)))  # plain pickle: no shared-memory handles
+    except BaseException as exc:  # report everything; the parent decides
+        results.put((rank, False, RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
+              return_exceptions: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; per-rank return values."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    failures: list[RankFailure] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if failures:
+                    break
+                missing = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (hang?); finished: {sorted(got)}")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got and p.exitcode != 0]
+                if dead and results.empty():
+                    raise RuntimeError(f"rank(s) {dead} died with exit codes "
+                                       f"{[procs[r].exitcode for r in dead]} without reporting") from None
+                continue
+            got[rank] = pickle.loads(value) if ok else value
+            if not ok and not return_exceptions:
+                failures.append(value)
+                deadline = min(deadline, time.monotonic() + 3.0)  # collect the peers' errors briefly
+        if failures:
+            failures.sort(key=lambda f: (f.type_name in ("PipelineTimeoutError", "PipelineCommError"), f.rank))
+            raise RankError(failures[0])
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [got[r] for r in range(world_size)]

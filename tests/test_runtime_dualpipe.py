@@ -1,0 +1,180 @@
+"""DualPipe / DualPipeV used the way deepseek-ai/DualPipe's examples use them: a stage class with
+a custom linear that defers its weight gradient, an ``overlapped_forward_backward`` hook, a
+training step checked against a single-process run, ``sync_mirrored_grads`` (DualPipe), then an
+inference step with ``return_outputs``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from test_runtime_models import cos_diff
+
+from mt_dualpipe.runtime import WeightGradStore, run_backward
+
+H, ROWS = 8, 2
+
+
+class LinearFunc(torch.autograd.Function):
+    deferred = 0
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+
+        def weight_grad():
+            g = grad_out.flatten(0, -2).T @ x.flatten(0, -2)
+            weight.grad = g if weight.grad is None else weight.grad + g
+
+        store = WeightGradStore.active()
+        if store is not None:
+            LinearFunc.deferred += 1
+            store.put(weight_grad)
+        else:
+            weight_grad()
+        return grad_out @ weight, None
+
+
+class MyLinear(nn.Linear):
+    supports_deferred_weight_grad = True
+
+    def forward(self, x):
+        return LinearFunc.apply(x, self.weight)
+
+
+class PipelineStage(nn.Module):
+    hook_calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.linear1 = MyLinear(H, 4 * H, bias=False)
+        self.linear2 = MyLinear(4 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.linear2(F.gelu(self.linear1(x)))
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                                    output_grads1):
+        cls.hook_calls += 1
+        outputs0 = module0(*inputs0)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            run_backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+def criterion(output, target):
+    return F.mse_loss(output, target).clone()
+
+
+def ref_step(x, labels, model, chunks):
+    ys, losses = [], []
+    for mx, ml in zip(x.chunk(chunks), labels.chunk(chunks)):
+        y = model(mx)
+        loss = criterion(y, ml)
+        loss.backward()
+        ys.append(y.detach())
+        losses.append(loss.detach())
+    return torch.stack(losses), torch.cat(ys)
+
+
+def _dualpipe(rank, P, num_chunks):
+    from mt_dualpipe import DualPipe
+
+    torch.manual_seed(233)
+    full = nn.Sequential(*[PipelineStage() for _ in range(P)]).double()
+    full_x = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
+    full_l = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
+    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks)
+    local_full = nn.Sequential(full[rank], full[P - 1 - rank])
+    local = copy.deepcopy(local_full)
+    for p in local.parameters():
+        p.grad = None
+    model = DualPipe(local, timeout=30)
+    first, last = rank == 0, rank == P - 1
+    x = full_x.chunk(2)[0] if first else full_x.chunk(2)[1] if last else None
+    lab = full_l.chunk(2)[1] if first else full_l.chunk(2)[0] if last else None
+    PipelineStage.hook_calls = LinearFunc.deferred = 0
+    loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=False)
+    res = {"hook_calls": PipelineStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs}
+    if first:
+        res["loss_ok"] = torch.equal(loss, loss_ref.chunk(2)[1])
+    elif last:
+        res["loss_ok"] = torch.equal(loss, loss_ref.chunk(2)[0])
+    else:
+        res["loss_ok"] = loss is None
+    model.sync_mirrored_grads()
+    res["grad_diff"] = max(cos_diff(p.grad, q.grad) for p, q in zip(local.parameters(), local_full.parameters()))
+    model.zero_grad()
+    with torch.no_grad():
+        loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=True)
+    if first:
+        res["infer_ok"] = torch.equal(loss, loss_ref.chunk(2)[1]) and torch.equal(outputs, out_ref.chunk(2)[1])
+    elif last:
+        res["infer_ok"] = torch.equal(loss, loss_ref.chunk(2)[0]) and torch.equal(outputs, out_ref.chunk(2)[0])
+    else:
+        res["infer_ok"] = loss is None and outputs is None
+    res["grads_untouched"] = all(p.grad is None for p in local.parameters())
+    return res
+
+
+def _dualpipev(rank, P, num_chunks):
+    from mt_dualpipe import DualPipeV
+
+    torch.manual_seed(233)
+    full = nn.Sequential(*[PipelineStage() for _ in range(2 * P)]).double()
+    full_x = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
+    full_l = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
+    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks)
+    local_full = nn.Sequential(full[rank], full[2 * P - 1 - rank])
+    local = copy.deepcopy(local_full)
+    for p in local.parameters():
+        p.grad = None
+    model = DualPipeV(local, timeout=30)
+    x, lab = (full_x, full_l) if rank == 0 else (None, None)
+    PipelineStage.hook_calls = LinearFunc.deferred = 0
+    loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=False)
+    res = {"hook_calls": PipelineStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs,
+           "loss_ok": torch.equal(loss, loss_ref) if rank == 0 else loss is None}
+    res["grad_diff"] = max(cos_diff(p.grad, q.grad) for p, q in zip(local.parameters(), local_full.parameters()))
+    model.zero_grad()
+    with torch.no_grad():
+        loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=True)
+    res["infer_ok"] = (torch.equal(loss, loss_ref) and torch.equal(outputs, out_ref)) if rank == 0 else \
+        (loss is None and outputs is None)
+    res["grads_untouched"] = all(p.grad is None for p in local.parameters())
+    return res
+
+
+def _both(rank, P):
+    torch.set_num_threads(1)
+    return {"dualpipe": _dualpipe(rank, P, 2 * P + 2), "dualpipev": _dualpipev(rank, P, 2 * P + 1)}
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_dualpipe_and_dualpipev_like_the_reference_examples(P):
+    results = run_ranks(_both, P, timeout=180)
+    for kind in ("dualpipe", "dualpipev"):
+        for rank, res in enumerate(r[kind] for r in results):
+            where = f"{kind} rank {rank}"
+            assert res["loss_ok"], where
+            assert res["outputs"] is None, where
+            assert res["grad_diff"] < 1e-12, (where, res["grad_diff"])
+            assert res["infer_ok"], where
+            assert res["grads_untouched"], where
+            assert res["hook_calls"] > 0, f"{where}: the overlapped_forward_backward hook never ran"
+            assert res["deferred"] > 0, f"{where}: no weight gradient went through the WeightGradStore"
