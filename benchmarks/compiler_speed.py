@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     console = Console()
-    table = Table(title="schedule compiler: build + lower + validate + simulate (best of %d)" % args.repeat)
+    table = Table(title=f"schedule compiler: build + lower + validate + simulate (best of {args.repeat})")
     for col in ("schedule", "P x M", "mt_dualpipe (s)", "torch.distributed.pipelining (s)", "speed-up"):
         table.add_column(col, justify="right" if col != "schedule" else "left")
     cases = [("dualpipev", "ScheduleDualPipeV", {}), ("zbv", "ScheduleZBVZeroBubble", {}),
