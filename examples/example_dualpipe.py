@@ -8,90 +8,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import socket
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
+from toy_pipeline import PipelineStage, cos_diff, criterion, ref_step, spawn
 
-from mt_dualpipe import DualPipe, WeightGradStore
-from mt_dualpipe.runtime import run_backward
-
-
-class LinearFunc(torch.autograd.Function):
-    """A linear layer whose weight gradient can wait for W (the B/W split's fast path)."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-
-        def weight_grad():
-            g = grad_out.flatten(0, -2).T @ x.flatten(0, -2)
-            weight.grad = g if weight.grad is None else weight.grad + g
-
-        store = WeightGradStore.active()
-        store.put(weight_grad) if store is not None else weight_grad()
-        return grad_out @ weight, None
-
-
-class MyLinear(nn.Linear):
-    supports_deferred_weight_grad = True
-
-    def forward(self, x):
-        return LinearFunc.apply(x, self.weight)
-
-
-class PipelineStage(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear1 = MyLinear(hidden, 4 * hidden, bias=False)
-        self.linear2 = MyLinear(4 * hidden, hidden, bias=False)
-
-    def forward(self, x):
-        return self.linear2(F.gelu(self.linear1(x)))
-
-    @classmethod
-    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
-                                    output_grads1):
-        """The F of one micro-batch and the backward of another as one unit (here simply in turn)."""
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
-
-
-def criterion(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, target).clone()
-
-
-def ref_step(x, labels, model, chunks: int, loss_fn: Callable):
-    ys, losses = [], []
-    for mx, ml in zip(x.chunk(chunks), labels.chunk(chunks)):
-        y = model(mx)
-        loss = loss_fn(y, ml)
-        loss.backward()
-        ys.append(y.detach())
-        losses.append(loss.detach())
-    return torch.stack(losses), torch.cat(ys)
-
-
-def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return 1 - 2 * (x * y).sum().item() / (x * x + y * y).sum().item()
+from mt_dualpipe import DualPipe
 
 
 def main(rank: int, pp: int, port: int, num_chunks: int) -> None:
@@ -146,9 +69,5 @@ if __name__ == "__main__":
     ap.add_argument("--ranks", type=int, default=4, help="pipeline ranks (even)")
     ap.add_argument("--chunks", type=int, default=10, help="micro-batches in total (even, >= 2 * ranks)")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(main, args=(args.ranks, port, args.chunks), nprocs=args.ranks)
+    spawn(main, args.ranks, args.chunks)
     print(f"DualPipe with {args.ranks} ranks, {args.chunks} micro-batches: OK")
