@@ -36,6 +36,7 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._collecting: list[Callable[[], None]] | None = None
         self._groups: deque[tuple[Hashable, list[Callable[[], None]]]] = deque()
+        self.closures_run = 0  # closures run by run_oldest / run since the store was made (W's real work)
 
     @staticmethod
     def active() -> WeightGradStore | None:
@@ -77,6 +78,15 @@ class WeightGradStore:
             raise RuntimeError(f"W for {key} but the oldest deferred B is {got}")
         for fn in group:
             fn()
+        self.closures_run += len(group)
+        return len(group)
+
+    def run(self, key: Hashable) -> int:
+        """Run the group tagged ``key`` (its W, in any order); returns how many closures ran."""
+        group = self.pop(key)
+        for fn in group:
+            fn()
+        self.closures_run += len(group)
         return len(group)
 
     def pop(self, key: Hashable) -> list[Callable[[], None]]:
