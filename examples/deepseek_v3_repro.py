@@ -1,6 +1,8 @@
 """Train DeepSeek-V3 (tiny preset) with DualPipe on local CPU processes — the README's first command.
 
-    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, ~2 minutes on 2 cores
+    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, about a minute on 2 cores
+    python examples/deepseek_v3_repro.py --inject-nan 25      # watch a NaN get caught and rewound
+    python examples/deepseek_v3_repro.py --checkpoint-dir ckpt/   # async checkpoints; rerun to resume
     python examples/deepseek_v3_repro.py --schedule dualpipev --ranks 2 --steps 20 --summary out.json
     torchrun --nproc-per-node 4 examples/deepseek_v3_repro.py --schedule zbv
     python examples/deepseek_v3_repro.py --ranks 2 --ep 2        # + expert parallelism: 4 processes
@@ -10,21 +12,28 @@ torchrun. With ``--ep E`` there are E data-parallel pipelines whose ranks at the
 shard that stage's routed experts and exchange tokens by all-to-all (overlapped with the other
 micro-batch's compute inside DualPipe's F&B units).
 Each rank builds the same seeded model, keeps only its stages, and trains with AdamW on a
-synthetic task (or ``--corpus FILE``, any local text, byte-level). A rich progress bar shows the
-loss, the MTP loss, the expert-load balance (max violation: max load / mean load − 1) and tokens/s;
-the last step is timed per instruction, and the summary compares its measured bubble rate with the
-simulator's for the same schedule and the measured op costs.
+synthetic task (or ``--corpus FILE``, any local text, byte-level). Every step runs under
+``mt_dualpipe.resilience.Rewind``: a NaN/inf or an exception on any rank is agreed on by all ranks,
+which go back to the last snapshot (every ``--snapshot-every`` steps) and skip the batch.
+A rich progress bar shows the loss, the MTP loss, the expert-load balance (max violation:
+max load / mean load − 1), tokens/s and the rewinds; the last step is timed per instruction, and
+the summary compares its measured bubble rate with the simulator's for the same schedule and the
+measured op costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,11 +45,13 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     criterion_for,
     max_violation,
+    parse_layout,
     stages_for_rank,
     sync_replicas,
     update_expert_bias,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import TextCorpus, synthetic_batch  # noqa: E402
+from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", default=None, help="stage layout, e.g. 'Et*2|t*2mL' (default: balanced)")
     p.add_argument("--corpus", default=None, help="train on this local text file instead of the synthetic task")
     p.add_argument("--fp8", action="store_true", help="FP8 linears (mt_dualpipe.integrations.fp8)")
+    p.add_argument("--no-rewind", action="store_true", help="plain loop: no fault checks, snapshots or rewinds")
+    p.add_argument("--snapshot-every", type=int, default=10, metavar="N",
+                   help="in-memory snapshot (rewind target) every N steps, default 10")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="also write each snapshot there as an async checkpoint; a rerun resumes from the newest")
+    p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
+                   help="demo: NaN in the forward output of the last rank at step STEP (0-based); Rewind\n"
+                        "catches it, rewinds to the last snapshot and skips that batch")
     p.add_argument("--summary", default=None, help="write the run summary as JSON here")
     p.add_argument("--timeline", default=None, help="save the last step's measured timeline JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -66,19 +85,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ranks < 1 or args.steps < 1 or args.ep < 1:
         p.error("--ranks, --ep and --steps must be >= 1")
+    if args.snapshot_every < 1:
+        p.error(f"--snapshot-every must be >= 1, got {args.snapshot_every}")
+    if args.inject_nan is not None:
+        if args.no_rewind:
+            p.error("--inject-nan demonstrates Rewind; drop --no-rewind")
+        if not 0 <= args.inject_nan < args.steps:
+            p.error(f"--inject-nan STEP must be a step of this run, 0..{args.steps - 1}, got {args.inject_nan}")
+    if args.checkpoint_dir and args.no_rewind:
+        p.error("--checkpoint-dir is written by Rewind; drop --no-rewind")
     return args
 
 
-# ----- one rank -------------------------------------------------------------------------------------------
+# ----- one rank: model, pipeline, optimizer -----------------------------------------------------------
+@dataclass
+class RankSetup:
+    """What one rank trains: its stage modules, the pipeline over them, the optimizer."""
+
+    config: DeepSeekV3Config
+    schedule: Any
+    mods: list
+    pipe: Any
+    opt: torch.optim.Optimizer
+    pp_rank: int
+    fp8_backend: str | None   # backend_summary(): the one line saying which FP8 GEMM runs
+    fp8_gemm: str | None      # its name: "scaled_mm" or "emulated"
+    last_balance: float = 0.0  # expert-load max violation of the last good step (set by the grad hook)
+
+
 def process_groups(world: int, ep: int, rank: int):
     """Global rank g is pipeline rank g // ep of expert-parallel replica g % ep: (pp group, ep group)."""
-    pp_ranks, ep_size = world // ep, ep
-    pp_groups = [dist.new_group([p * ep_size + e for p in range(pp_ranks)]) for e in range(ep_size)]
-    ep_groups = [dist.new_group([p * ep_size + e for e in range(ep_size)]) for p in range(pp_ranks)]
+    pp_groups = pipeline_groups(world, ep)
+    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(world // ep)]
     return pp_groups[rank % ep], (ep_groups[rank // ep] if ep > 1 else None)
 
 
-def setup(args: argparse.Namespace, rank: int, world: int):
+def pipeline_groups(world: int, ep: int) -> list:
+    """One group per expert-parallel replica over its pipeline ranks (collective: every rank creates all)."""
+    return [dist.new_group([p * ep + e for p in range(world // ep)]) for e in range(ep)]
+
+
+def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
     """This rank's pipeline, stage modules, schedule and optimizer."""
     from mt_dualpipe import DualPipe, DualPipeV, Pipeline
     from mt_dualpipe.schedules.registry import build_schedule
@@ -98,13 +145,16 @@ def setup(args: argparse.Namespace, rank: int, world: int):
     full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
     mods = stages_for_rank(config, sched, pp_rank, args.layout, source=full, ep_group=ep_group)
     del full
+    fp8_backend = fp8_gemm = None
     if args.fp8:
         try:
-            from mt_dualpipe.integrations.fp8 import convert_to_fp8
+            from mt_dualpipe.integrations.fp8 import backend_summary, convert_to_fp8, resolve_gemm
         except ImportError as exc:
             raise SystemExit(f"--fp8 needs mt_dualpipe.integrations.fp8, which is not available here ({exc})") from exc
         for m in mods:
             convert_to_fp8(m)
+        device = next(mods[0].parameters()).device
+        fp8_backend, fp8_gemm = backend_summary(device), resolve_gemm(device)[0]
     if args.schedule == "dualpipe":
         pipe = DualPipe(tuple(mods), process_group=pp_group)
     elif args.schedule == "dualpipev":
@@ -112,49 +162,137 @@ def setup(args: argparse.Namespace, rank: int, world: int):
     else:
         pipe = Pipeline(mods, sched, pp_group)
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
-    return config, sched, mods, pipe, opt, pp_rank
+    return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm)
 
 
-def step_batch(args, config, corpus, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's batch for one data-parallel replica; the ranks of a pipeline draw the same one
-    (seeded by step and replica), so no data is sent."""
-    gen = torch.Generator().manual_seed((args.seed * 100003 + step) * 1009 + replica)
+def layout_string(config: DeepSeekV3Config, num_stages: int, layout: str | None) -> str:
+    """The stage layout in ``--layout`` notation (E embedding, t*N blocks, m MTP, L loss), e.g. 'Et*2|t*2mL'."""
+    parts = []
+    for i, n in enumerate(parse_layout(config, num_stages, layout)):
+        part = ("E" if i == 0 else "") + ("t" if n == 1 else f"t*{n}" if n else "")
+        if i == num_stages - 1:
+            part += "m" * min(config.mtp_depth, 1) + "L"
+        parts.append(part)
+    return "|".join(parts)
+
+
+def start_line(args: argparse.Namespace, run: RankSetup, world: int) -> str:
+    """One line saying what runs where (collective: every rank contributes its parameter count)."""
+    own = sum(p.numel() for m in run.mods for p in m.parameters())
+    counts: list = [None] * world
+    dist.all_gather_object(counts, own)
+    per_pp = ", ".join(f"{c / 1e6:.2f}M" for c in counts[::args.ep])  # replica 0 of each pipeline rank
+    sched = run.schedule
+    ep = f" x ep {args.ep}" if args.ep > 1 else ""
+    fault = f", NaN injected at step {args.inject_nan}" if args.inject_nan is not None else ""
+    rewind = "off" if args.no_rewind else f"snapshot every {args.snapshot_every} steps{fault}"
+    layout = layout_string(run.config, sched.num_stages(0), args.layout)
+    return (f"{args.schedule} · {args.ranks} ranks{ep} · {sched.num_microbatches} micro-batches of "
+            f"{args.micro_batch_size}x{args.seq_len} tokens · layout {layout} · "
+            f"params/rank {per_pp} · rewind: {rewind}")
+
+
+# ----- stepping: Rewind, or the bare loop -------------------------------------------------------------
+class PlainSteps:
+    """``--no-rewind``: the bare loop behind Rewind's interface (no checks, agreement or snapshots)."""
+
+    checkpoint_mode = None
+    resumed_from = None
+
+    def __init__(self, pipeline: Any, optimizer: torch.optim.Optimizer, *, num_chunks: int, criterion: Any,
+                 grad_hook: Any):
+        self.pipeline, self.optimizer = pipeline, optimizer
+        self.num_chunks, self.criterion, self.grad_hook = num_chunks, criterion, grad_hook
+        self.step_index = self.position = 0
+        self.events: list = []
+        self.skipped: set[int] = set()
+        self.counters: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+
+    def step(self, batch_fn) -> StepResult:
+        step, pos = self.step_index, self.position
+        batch = batch_fn(pos)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pipeline.step(*batch["inputs"], num_chunks=self.num_chunks, criterion=self.criterion,
+                           labels=batch["labels"])
+        self.grad_hook()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_index, self.position = step + 1, pos + 1
+        self.counters["steps"] += 1
+        return StepResult(step, pos, True, None, 0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def make_stepper(args: argparse.Namespace, run: RankSetup, rank: int, world: int, grad_hook) -> Rewind | PlainSteps:
+    """Rewind over the pipeline (collective: it creates its own groups), or PlainSteps with --no-rewind."""
+    criterion = criterion_for(run.mods)
+    if args.no_rewind:
+        return PlainSteps(run.pipe, run.opt, num_chunks=run.schedule.num_microbatches, criterion=criterion,
+                          grad_hook=grad_hook)
+    faults = None
+    if args.inject_nan is not None:
+        faults = FaultInjector(rank=rank)
+        faults.nan(rank=world - 1, step=args.inject_nan)  # forward output of the last rank's first module
+    rebuild: Any = "auto"
+    if args.ep > 1:  # several pipeline groups: every rank creates all of them again, in the same order
+        def rebuild(old):
+            return rebuild_pipeline(old, group=pipeline_groups(world, args.ep)[rank % args.ep])
+    # sync_mirrored=False: sync_replicas (in grad_hook) already sums the mirrored stages' gradients
+    return Rewind(run.pipe, run.opt, num_chunks=run.schedule.num_microbatches, criterion=criterion, modules=run.mods,
+                  snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, sync_mirrored=False,
+                  grad_hook=grad_hook, rebuild=rebuild, faults=faults)
+
+
+def step_batch(args, config, corpus, position: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch at a data position for one data-parallel replica; the ranks of a pipeline draw the same
+    one (seeded by position and replica), so no data is sent."""
+    gen = torch.Generator().manual_seed((args.seed * 100003 + position) * 1009 + replica)
     rows = args.micro_batch_size * args.num_mb
     if corpus is not None:
         return corpus.batch(rows, args.seq_len, gen)
     return synthetic_batch(config.vocab_size, rows, args.seq_len, gen)
 
 
-def train(args, rank: int, world: int, on_step=None) -> dict:
-    """The training loop: step, sum replicated gradients, AdamW, balance-bias update; returns the history."""
-    config, sched, mods, pipe, opt, pp_rank = setup(args, rank, world)
-    args.num_mb = sched.num_microbatches
+def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on_fault=None) -> dict:
+    """The training loop; returns the history of the good steps (a rewind drops the steps it undid)."""
+    config, sched, mods = run.config, run.schedule, run.mods
     corpus = TextCorpus(args.corpus) if args.corpus else None
-    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == pp_rank]
-    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == pp_rank]
-    criterion = criterion_for(mods)
+    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == run.pp_rank]
+    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == run.pp_rank]
     tokens_per_step = args.num_mb * args.micro_batch_size * args.seq_len * args.ep
-    history: dict = {"loss": [], "mtp_loss": [], "balance": [], "tokens_per_s": []}
-    for step in range(args.steps):
-        x, y = step_batch(args, config, corpus, step, rank % args.ep)
+    start = stepper.step_index  # > 0 after resuming from a checkpoint
+    history: dict = {"first_step": start, "loss": [], "mtp_loss": [], "balance": [], "tokens_per_s": []}
+
+    def batch_fn(position: int) -> dict:
+        x, y = step_batch(args, config, corpus, position, rank % args.ep)
         mb_x, mb_y = x.tensor_split(args.num_mb), y.tensor_split(args.num_mb)
-        inputs = [torch.cat([mb_x[m] for m in sched.microbatches_of(first[0])])] if first else []
+        inputs = (torch.cat([mb_x[m] for m in sched.microbatches_of(first[0])]),) if first else ()
         labels = (torch.cat([mb_y[m] for m in sched.microbatches_of(last[0])]),) if last else ()
-        pipe.record_timeline = step == args.steps - 1
+        return {"inputs": inputs, "labels": labels}
+
+    while stepper.step_index < args.steps:
+        stepper.pipeline.record_timeline = stepper.step_index == args.steps - 1
         for m in mods:
             m.loss_log.clear()
         t0 = time.perf_counter()
-        pipe.step(*inputs, num_chunks=args.num_mb, criterion=criterion, labels=labels)
-        sync_replicas(mods, dist.group.WORLD)  # mirrored stage copies (DualPipe) and the MTP embedding copy
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync_replicas(mods, dist.group.WORLD, what="load")
-        balance = max_violation(torch.nn.ModuleList(mods))
-        update_expert_bias(torch.nn.ModuleList(mods))
+        result = stepper.step(batch_fn)
         elapsed = time.perf_counter() - t0
+        if not result.ok:  # every rank is back at the snapshot: forget the undone steps and the bad counts
+            for m in mods:
+                for name, b in m.named_buffers():
+                    if name.endswith("gate.load"):
+                        b.zero_()
+            for key in ("loss", "mtp_loss", "balance", "tokens_per_s"):
+                del history[key][max(0, stepper.step_index - start):]
+            if on_fault is not None:
+                on_fault(result.fault, stepper, history)
+            continue
         logs = [entry for m in mods for entry in m.loss_log]
         everyone: list = [None] * world
-        dist.all_gather_object(everyone, (logs, balance))
+        dist.all_gather_object(everyone, (logs, run.last_balance))
         all_logs = [e for got, _ in everyone for e in got]
         main = sum(e[0] for e in all_logs) / len(all_logs)
         mtp = sum(sum(e[1]) / len(e[1]) for e in all_logs) / len(all_logs) if all_logs[0][1] else 0.0
@@ -163,18 +301,38 @@ def train(args, rank: int, world: int, on_step=None) -> dict:
         history["balance"].append(sum(b for _, b in everyone) / world)
         history["tokens_per_s"].append(tokens_per_step / elapsed)
         if on_step is not None:
-            on_step(step, history)
-    history["timeline"] = pipe.timeline if rank == 0 else None
-    history["schedule"] = sched
-    history["config"] = config
+            on_step(result.step, history, stepper)
+    stepper.close()
+    history["timeline"] = stepper.pipeline.timeline if rank == 0 and stepper.pipeline.record_timeline else None
     return history
 
 
-def summarize(args, world: int, history: dict) -> dict:
+def grad_hook_for(run: RankSetup):
+    """Runs once the step is known to be good, before ``optimizer.step()``: sum the replicated gradients
+    (mirrored stages, the MTP embedding copy, data-parallel replicas), then the balance-bias update
+    (a buffer the optimizer does not touch, so doing it here keeps each snapshot consistent)."""
+    mods = torch.nn.ModuleList(run.mods)
+
+    def hook() -> None:
+        sync_replicas(run.mods, dist.group.WORLD)
+        sync_replicas(run.mods, dist.group.WORLD, what="load")
+        run.last_balance = max_violation(mods)
+        update_expert_bias(mods)
+
+    return hook
+
+
+# ----- summary ----------------------------------------------------------------------------------------
+def fault_record(event) -> dict:
+    return {"step": event.step, "position": event.position, "kind": event.kind.name.lower(), "ranks": event.ranks,
+            "cause": event.cause, "rewound_to": event.rewound_to, "skipped": event.skipped}
+
+
+def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
     from mt_dualpipe.schedules.simulate import simulate
     from mt_dualpipe.visualize.metrics import Summary, costs_from_timeline
 
-    tl, sched = history["timeline"], history["schedule"]
+    tl, sched = history["timeline"], run.schedule
     measured = Summary.from_timeline(tl).bubble_rate if tl is not None else None
     simulated = simulate(sched, costs_from_timeline(tl)).bubble_rate if tl is not None else None
     if tl is not None and args.timeline:
@@ -182,12 +340,20 @@ def summarize(args, world: int, history: dict) -> dict:
     steady = history["tokens_per_s"][1:] or history["tokens_per_s"]
     return {
         "schedule": args.schedule, "ranks": args.ranks, "ep": args.ep, "steps": args.steps, "microbatches": args.num_mb,
-        "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "preset": args.preset, "fp8": args.fp8,
-        "data": args.corpus or "synthetic",
+        "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "preset": args.preset,
+        "layout": layout_string(run.config, sched.num_stages(0), args.layout),
+        "fp8": args.fp8, "fp8_backend": run.fp8_backend, "fp8_gemm": run.fp8_gemm, "data": args.corpus or "synthetic",
+        "first_step": history["first_step"],
         "loss": history["loss"], "mtp_loss": history["mtp_loss"], "expert_load_max_violation": history["balance"],
-        "tokens_per_s": sum(steady) / len(steady),
+        "tokens_per_s": sum(steady) / len(steady) if steady else None,
         "bubble_rate": {"measured": measured, "simulated": simulated},
-        "config": history["config"].to_dict(),
+        "rewind": not args.no_rewind, "snapshot_every": None if args.no_rewind else args.snapshot_every,
+        "checkpoint_dir": args.checkpoint_dir, "checkpoint_mode": stepper.checkpoint_mode,
+        "checkpoints_written": stepper.counters["checkpoints"], "resumed_from": stepper.resumed_from,
+        "rewinds": stepper.counters["rewinds"], "skipped_batches": sorted(stepper.skipped),
+        "rewind_overhead_s": dict(stepper.seconds),  # checks, agreement, snapshots, checkpoints, rewinds
+        "faults": [fault_record(e) for e in stepper.events],
+        "config": run.config.to_dict(),
     }
 
 
@@ -199,46 +365,97 @@ def report(summary: dict) -> None:
     t = Table(title=f"DeepSeek-V3 ({summary['preset']}) · {summary['schedule']} on {summary['ranks']}{ep} CPU ranks")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("loss (first → last step)", f"{summary['loss'][0]:.3f} → {summary['loss'][-1]:.3f}")
-    t.add_row("MTP loss (first → last step)", f"{summary['mtp_loss'][0]:.3f} → {summary['mtp_loss'][-1]:.3f}")
-    t.add_row("expert load max violation (last)", f"{summary['expert_load_max_violation'][-1]:.3f}")
-    t.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
+    first = f"step {summary['first_step']}" if summary["first_step"] else "first"
+    if summary["loss"]:
+        t.add_row(f"loss ({first} → last step)", f"{summary['loss'][0]:.3f} → {summary['loss'][-1]:.3f}")
+        t.add_row(f"MTP loss ({first} → last step)", f"{summary['mtp_loss'][0]:.3f} → {summary['mtp_loss'][-1]:.3f}")
+        t.add_row("expert load max violation (last)", f"{summary['expert_load_max_violation'][-1]:.3f}")
+        t.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
     bub = summary["bubble_rate"]
     if bub["measured"] is not None:
         t.add_row("bubble rate measured / simulated", f"{100 * bub['measured']:.1f} % / {100 * bub['simulated']:.1f} %")
+    if summary["rewind"]:
+        steps = ", ".join(str(f["step"]) for f in summary["faults"])
+        t.add_row("rewinds / skipped batches", f"{summary['rewinds']}{f' (step {steps})' if steps else ''} / "
+                                               f"{len(summary['skipped_batches'])}")
+    if summary["resumed_from"] is not None:
+        t.add_row("resumed from checkpoint", f"step {summary['resumed_from']}")
+    if summary["checkpoint_dir"]:
+        t.add_row("checkpoints written", f"{summary['checkpoints_written']} ({summary['checkpoint_mode']})")
+    if summary["fp8_gemm"]:
+        t.add_row("fp8 GEMM", summary["fp8_gemm"])
     Console().print(t)
+
+
+# ----- process entry ----------------------------------------------------------------------------------
+def progress_callbacks(args: argparse.Namespace, rank: int):
+    """(progress bar or None, on_step, on_fault) for this rank: a rich bar or log lines on rank 0, nothing elsewhere."""
+    if rank != 0:
+        return None, None, None
+
+    def stats(h: dict, stepper) -> str:
+        rewinds = stepper.counters["rewinds"]
+        return (f"loss {h['loss'][-1]:.3f} mtp {h['mtp_loss'][-1]:.3f} maxvio {h['balance'][-1]:.2f} "
+                f"{h['tokens_per_s'][-1]:.0f} tok/s" + (f" · rewinds {rewinds}" if rewinds else ""))
+
+    def fault_line(event) -> str:
+        what = f"batch {event.position} skipped" if event.skipped else "batch retried"
+        return f"step {event.step}: {event.cause} → rewound to step {event.rewound_to}, {what}"
+
+    if args.no_progress:
+        def on_step(step, h, stepper):
+            print(f"step {step + 1}/{args.steps} {stats(h, stepper)}", flush=True)
+
+        def on_fault(event, stepper, h):
+            print(fault_line(event), flush=True)
+
+        return None, on_step, on_fault
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                        TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
+    where = f"{args.ranks} ranks" + (f" x ep {args.ep}" if args.ep > 1 else "")
+    task = progress.add_task(f"{args.schedule} · {where}", total=args.steps, stats="")
+
+    def on_step(step, h, stepper):
+        progress.update(task, completed=stepper.step_index, stats=stats(h, stepper))
+
+    def on_fault(event, stepper, h):
+        progress.console.print(f"[yellow]{fault_line(event)}")
+        progress.update(task, completed=stepper.step_index)
+
+    return progress, on_step, on_fault
 
 
 def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None:
     torch.set_num_threads(1)
+    # Rank 0 reports each rewind itself (one line, the agreed cause); keep every rank's warning off the screen.
+    logging.getLogger("mt_dualpipe.resilience").setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        progress = None
-        on_step = None
-        if rank == 0 and not args.no_progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
-                                TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
-            where = f"{args.ranks} ranks" + (f" x ep {args.ep}" if args.ep > 1 else "")
-            task = progress.add_task(f"{args.schedule} · {where}", total=args.steps, stats="")
-
-            def on_step(step, h):
-                progress.update(task, advance=1, stats=f"loss {h['loss'][-1]:.3f} mtp {h['mtp_loss'][-1]:.3f} "
-                                f"maxvio {h['balance'][-1]:.2f} {h['tokens_per_s'][-1]:.0f} tok/s")
-
+        run = setup(args, rank, world)
+        args.num_mb = run.schedule.num_microbatches
+        line = start_line(args, run, world)
+        stepper = make_stepper(args, run, rank, world, grad_hook_for(run))
+        if rank == 0:
+            print(line)
+            if run.fp8_backend:
+                print(run.fp8_backend)
+            if stepper.resumed_from is not None:
+                print(f"resumed from the checkpoint of step {stepper.resumed_from} in {args.checkpoint_dir}")
+            sys.stdout.flush()
+        progress, on_step, on_fault = progress_callbacks(args, rank)
+        if progress is not None:
+            progress.update(progress.task_ids[0], completed=stepper.step_index)
             progress.start()
-        elif rank == 0:
-            def on_step(step, h):
-                print(f"step {step + 1}/{args.steps} loss {h['loss'][-1]:.4f} mtp {h['mtp_loss'][-1]:.4f} "
-                      f"balance {h['balance'][-1]:.3f} {h['tokens_per_s'][-1]:.0f} tok/s", flush=True)
         try:
-            history = train(args, rank, world, on_step)
+            history = train(args, run, stepper, rank, world, on_step, on_fault)
         finally:
             if progress is not None:
                 progress.stop()
         if rank == 0:
-            summary = summarize(args, world, history)
+            summary = summarize(args, run, stepper, history)
             report(summary)
             if args.summary:
                 Path(args.summary).write_text(json.dumps(summary, indent=1))

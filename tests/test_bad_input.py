@@ -3,8 +3,6 @@
 Schedule parameters are checked by the compiler (``ScheduleError``); the runtime checks are
 exercised on 2 gloo ranks in one launch, each with its own fresh process group and a 2 s
 point-to-point timeout, so a check that is missing shows up as a wrong message, never as a hang.
-Tests marked ``xfail(strict=True)`` name a check the runtime does not make yet (they start to fail,
-as a reminder to drop the marker, once it does).
 """
 
 from __future__ import annotations
@@ -149,26 +147,29 @@ def test_non_tensor_stage_output(runtime_errors):
     assert kind in ("PipelineTimeoutError", "PipelineCommError") and "RECV_F(c0,s1,m0 peer=0)" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="runtime gap: Pipeline.step splits with torch.tensor_split and accepts a "
-                                       "batch whose size is not a multiple of num_chunks (uneven micro-batches)")
 def test_batch_not_divisible_into_micro_batches(runtime_errors):
-    for rank in range(2):
+    for rank, what in ((0, "inputs"), (1, "labels")):
         kind, msg = _outcome(runtime_errors, rank, "not_divisible")
-        assert kind == "PipelineError" and "10" in msg and "4 micro-batches" in msg
+        assert kind == "PipelineError"
+        assert msg.startswith(f"{what} of shape (10, 6): a batch of 10 along batch_dim=0 does not split into "
+                              "num_chunks=4 equal micro-batches; use a batch size divisible by 4"), msg
 
 
-@pytest.mark.xfail(strict=True, reason="runtime gap: a last stage given a criterion but no labels calls the "
-                                       "criterion without them (a bare TypeError from the user's function)")
 def test_labels_missing_where_the_loss_is_computed(runtime_errors):
     kind, msg = _outcome(runtime_errors, 1, "missing_labels")
-    assert kind == "PipelineError" and "labels" in msg and "rank 1" in msg
+    assert kind == "PipelineError"
+    assert msg.startswith("rank 1 F(chain 0, stage 1, mb 0) in Linear: the criterion was called without labels and "
+                          "raised TypeError: _mse() missing 1 required positional argument: 'y'; rank 1 holds the "
+                          "last stage 1 of chain 0, so pass labels= to step() here"), msg
+    kind, msg = _outcome(runtime_errors, 0, "missing_labels")  # the peer waits for a gradient that never comes
+    assert kind in ("PipelineTimeoutError", "PipelineCommError") and "peer rank 1" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="runtime gap: an exception inside a stage's forward (here a shape that does "
-                                       "not fit the previous rank's output) is not wrapped with rank/stage/mb context")
 def test_mismatched_shapes_between_ranks(runtime_errors):
     kind, msg = _outcome(runtime_errors, 1, "shape_mismatch")
-    assert kind == "PipelineError" and "rank 1" in msg and "(2x6 and 5x6)" in msg
+    assert kind == "PipelineError"
+    assert msg == ("rank 1 F(chain 0, stage 1, mb 0) in Linear: RuntimeError: mat1 and mat2 shapes cannot be "
+                   "multiplied (2x6 and 5x6)"), msg
 
 
 def test_mismatched_shapes_between_ranks_fail_fast_on_both_ranks(runtime_errors):

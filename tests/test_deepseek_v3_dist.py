@@ -174,12 +174,60 @@ def test_dualpipev_matches_single_process(two_ranks):
     assert all(c > 20 for c, _ in two_ranks("dualpipev"))
 
 
+def _zero_bubble_worker(rank, world, schedule, num_mb):
+    """Zero-bubble schedules split B and W for real: the stages' DeferredLinears queue their GEMMs for W."""
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.runtime import DeferredLinear
+    from mt_dualpipe.runtime.stage import supports_fast_split
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    config = small_config()
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    data = [make_batch(config, 1, 16, seed=300 + m) for m in range(num_mb)]
+    ref_losses = []
+    for x, y in data:
+        loss = model(x, y)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    sched = build_schedule(schedule, world, num_mb)
+    mods = stages_for_rank(config, sched, rank, source=model)
+    assert all(supports_fast_split(m) for m in mods)
+    assert not any(type(m) is torch.nn.Linear for mod in mods for m in mod.modules())
+    linears = sum(type(m) is DeferredLinear for mod in mods for m in mod.modules())
+    pipe = Pipeline(mods, sched, timeout=60)
+    calls = []  # every linear call of the training step leaves one weight-gradient GEMM
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1))
+             for mod in mods for m in mod.modules() if type(m) is DeferredLinear]
+    first = any(ranks[0] == rank for ranks in sched.placement)
+    last = any(ranks[-1] == rank for ranks in sched.placement)
+    loss, _ = pipe.step(*([torch.cat([x for x, _ in data])] if first else []), num_chunks=num_mb,
+                        criterion=criterion_for(mods), labels=(torch.cat([y for _, y in data]),) if last else ())
+    for h in hooks:
+        h.remove()
+    if last:
+        torch.testing.assert_close(loss, torch.stack(ref_losses), rtol=1e-6, atol=1e-6)
+    sync_replicas(mods, dist.group.WORLD)  # the MTP embedding copy
+    for mod in mods:
+        for name, p in mod.named_parameters():
+            torch.testing.assert_close(p.grad, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    return pipe.store.closures_run, len(calls), linears
+
+
+def test_zero_bubble_runs_deferred_weight_gradients_at_w(two_ranks):
+    for closures, calls, linears in two_ranks("zb-h1"):
+        # zb-h1 splits every backward: each linear call's weight-gradient GEMM was queued at B and run at W
+        assert linears > 10 and calls >= 4 * 4 and closures == calls, (closures, calls, linears)
+
+
 # ----- the 2-rank checks share one set of processes (spawning is most of their cost) --------------------------
 _TWO_RANK_PARTS = {
     "ep": (_ep_worker, ()),
     "ep_overlap": (_ep_overlap_worker, ()),
     "dualpipe": (_pipeline_worker, ("dualpipe", 4, [2, 2])),
     "dualpipev": (_pipeline_worker, ("dualpipev", 4, [1, 1, 1, 1])),
+    "zb-h1": (_zero_bubble_worker, ("zb-h1", 4)),
 }
 
 

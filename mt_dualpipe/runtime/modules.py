@@ -27,8 +27,12 @@ from .timeline import gather_timeline
 from .weight_grad import WeightGradStore
 
 
-def _split(values: Sequence[Any], n: int, dim: int, what: str) -> list[tuple]:
-    """Split every tensor of ``values`` into ``n`` micro-batches along ``dim`` (None stays None)."""
+def _split(values: Sequence[Any], n: int, dim: int, what: str, allow_uneven: bool = False) -> list[tuple]:
+    """Split every tensor of ``values`` into ``n`` equal micro-batches along ``dim`` (None stays None).
+
+    A size that ``n`` does not divide is refused unless ``allow_uneven`` (then the first
+    ``size % n`` micro-batches get one row more, as ``torch.tensor_split`` does).
+    """
     per_value = []
     for v in values:
         if v is None:
@@ -38,6 +42,10 @@ def _split(values: Sequence[Any], n: int, dim: int, what: str) -> list[tuple]:
                 size = "no such dim" if v.dim() <= dim else f"size {v.shape[dim]}"
                 raise PipelineError(f"{what} of shape {tuple(v.shape)} cannot be split into {n} micro-batches "
                                     f"along batch_dim={dim} ({size}); it needs at least {n} rows there")
+            if v.shape[dim] % n and not allow_uneven:
+                raise PipelineError(f"{what} of shape {tuple(v.shape)}: a batch of {v.shape[dim]} along batch_dim="
+                                    f"{dim} does not split into num_chunks={n} equal micro-batches; use a batch size "
+                                    f"divisible by {n} (or set allow_uneven=True on the Pipeline)")
             per_value.append(list(torch.tensor_split(v, n, dim)))
         else:
             raise PipelineError(f"{what} must be Tensors or None, got {type(v).__name__}")
@@ -52,7 +60,9 @@ class Pipeline(nn.Module):
     ``timeout`` (seconds) bounds every point-to-point wait. Set ``record_timeline = True`` to have
     each step's measured ``Timeline`` in ``self.timeline`` on the pipeline's first rank.
     ``peak_activations`` is this rank's peak of in-flight stage activations in the last training
-    step (+1 at F, -1 at W or BW: the simulator's count).
+    step (+1 at F, -1 at W or BW: the simulator's count). A batch must split into ``num_chunks``
+    equal micro-batches along ``batch_dim`` unless ``allow_uneven`` (the first ``size % num_chunks``
+    micro-batches then get one row more; the losses are still summed per micro-batch).
 
     A schedule given by name is built on every rank; for a searched one (``auto``) build it once
     and pass the same ``Schedule`` everywhere.
@@ -60,7 +70,8 @@ class Pipeline(nn.Module):
 
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
                  process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
-                 batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None):
+                 batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None,
+                 allow_uneven: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise PipelineError("torch.distributed is not initialized; call dist.init_process_group first")
@@ -81,6 +92,7 @@ class Pipeline(nn.Module):
         self.schedule = schedule
         self.schedule_options = dict(schedule_options or {})
         self.batch_dim = batch_dim
+        self.allow_uneven = allow_uneven
         self.device = module_device(self.module)
         wanted, have = backend_for(self.device), dist.get_backend(self.group)
         if wanted not in str(have):
@@ -111,7 +123,10 @@ class Pipeline(nn.Module):
                 sched = self.schedule
             else:
                 sched = build_schedule(self.schedule, self.num_ranks, num_chunks, **self.schedule_options)
-            self._executors[num_chunks] = Executor(lower(sched), self.rank, list(self.module), self.p2p, self.store)
+            ex = Executor(lower(sched), self.rank, list(self.module), self.p2p, self.store)
+            for st in ex.stages.values():
+                st.rank = self.rank  # for error messages
+            self._executors[num_chunks] = ex
         return self._executors[num_chunks]
 
     def _chain_here(self, sched: Schedule, position: int) -> int | None:
@@ -146,14 +161,14 @@ class Pipeline(nn.Module):
             if not inputs or all(x is None for x in inputs):
                 raise PipelineError(f"rank {self.rank} holds the first stage of chain {first} and needs the step's "
                                     "inputs")
-            mb_inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs")))
+            mb_inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs", self.allow_uneven)))
         mb_labels: dict[int, tuple] = {}
         if last is not None:
             mbs = sched.microbatches_of(last)
             if not forward_only and criterion is None:
                 raise PipelineError(f"rank {self.rank} holds the last stage of chain {last}: a training step needs "
                                     "criterion here")
-            mb_labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels")))
+            mb_labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels", self.allow_uneven)))
         try:
             res = ex.run(mb_inputs, mb_labels, criterion, forward_only, return_outputs, self.record_timeline)
         except BaseException:

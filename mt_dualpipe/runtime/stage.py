@@ -5,14 +5,21 @@ leaves, so B can return their gradients), the outputs (the roots of B) or the lo
 last stage, the input gradients until they are sent, and what W still has to do. Everything of a
 micro-batch is dropped at its W (or BW), which is what frees its activations.
 
-Split backward has two paths (see ``backward.py`` and ``weight_grad.py``): the fast path when every
-parameter-holding module of the stage declares ``supports_deferred_weight_grad`` (B runs with the
-pipeline's ``WeightGradStore`` active, W runs the queued closures), the generic path otherwise.
+Split backward has two paths (see ``backward.py`` and ``weight_grad.py``): the fast path when the
+stage's parameter owners all defer their weight gradients or are cheap to differentiate (see
+``supports_fast_split``: B runs with the pipeline's ``WeightGradStore`` active, W runs the queued
+closures), the generic path otherwise. The generic B also runs with the store active, so layers
+that defer (``DeferredLinear``) still leave their GEMMs to W when the generic split has to fall back
+to a full backward.
+
+An exception inside a stage's forward, criterion or backward comes back as a ``PipelineError``
+naming the rank, the op, the stage and the micro-batch (the original chained as its cause).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,20 +42,44 @@ def _as_outputs(out: Any, where: str) -> tuple[torch.Tensor, ...]:
                         "Tensors (they are what is sent to the next stage)")
 
 
+CHEAP_PARAMETER_OWNERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)
+
+
+def _defers(m: nn.Module) -> bool:
+    return bool(getattr(type(m), "supports_deferred_weight_grad", False))
+
+
+def _cheap(m: nn.Module) -> bool:
+    return isinstance(m, CHEAP_PARAMETER_OWNERS) or bool(getattr(type(m), "cheap_weight_grad", False))
+
+
 def supports_fast_split(module: nn.Module) -> bool:
-    """True when every module owning parameters declares ``supports_deferred_weight_grad``."""
+    """Whether a B of ``module`` can run as one full backward with the ``WeightGradStore`` active.
+
+    True when every module owning parameters either declares ``supports_deferred_weight_grad`` (its
+    weight-gradient GEMM is queued for W) or is cheap to differentiate: norms (``nn.LayerNorm``,
+    ``nn.RMSNorm``), ``nn.Embedding`` and any class declaring ``cheap_weight_grad = True``. The
+    cheap owners' weight gradients are simply computed during B, so W then runs only the deferred
+    GEMMs. At least one owner must defer, else nothing would be left for W and the generic split
+    (which can defer the cheap gradients too) is the better path. An expensive owner that declares
+    neither forces the generic path.
+    """
     owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
-    return bool(owners) and all(getattr(type(m), "supports_deferred_weight_grad", False) for m in owners)
+    return any(_defers(m) for m in owners) and all(_defers(m) or _cheap(m) for m in owners)
 
 
 class Stage:
-    """One (chain, stage) of this rank: its module and the per-micro-batch state of a step."""
+    """One (chain, stage) of this rank: its module and the per-micro-batch state of a step.
+
+    ``rank`` (the pipeline rank, set by the ``Pipeline``) only names the rank in error messages.
+    """
 
     def __init__(self, module: nn.Module, chain: int, stage: int, is_first: bool, is_last: bool,
-                 store: WeightGradStore):
+                 store: WeightGradStore, rank: int | None = None):
         self.module, self.chain, self.stage = module, chain, stage
         self.is_first, self.is_last = is_first, is_last
         self.store = store
+        self.rank = rank
         self.fast = supports_fast_split(module)
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
         self.reset()
@@ -61,10 +92,27 @@ class Stage:
         self.pending_w: dict[int, Any] = {}
         self.free_after_send: dict[int, list[torch.Tensor]] = {}
 
+    def where(self, op: str, mb: int) -> str:
+        """``rank r F(chain c, stage s, mb m) in Module``: how errors name an op of this stage."""
+        rank = "" if self.rank is None else f"rank {self.rank} "
+        return f"{rank}{op}(chain {self.chain}, stage {self.stage}, mb {mb}) in {type(self.module).__name__}"
+
+    @contextmanager
+    def _context(self, op: str, mb: int) -> Iterator[None]:
+        """Re-raise an exception of the user's code with the rank, op, stage and micro-batch."""
+        try:
+            yield
+        except PipelineError:
+            raise  # already says where
+        except Exception as exc:
+            raise PipelineError(f"{self.where(op, mb)}: {type(exc).__name__}: {exc}") from exc
+
     # ----- F ----------------------------------------------------------------------------------
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], criterion: Callable | None,
                 labels: Sequence[Any], training: bool, keep_outputs: bool) -> tuple[torch.Tensor, ...]:
-        outs = _as_outputs(self.module(*inputs), f"{self.name}, micro-batch {mb},")
+        with self._context("F", mb):
+            out = self.module(*inputs)
+        outs = _as_outputs(out, f"{self.name}, micro-batch {mb},")
         self.finish_forward(mb, inputs, outs, None, criterion, labels, training, keep_outputs)
         return outs
 
@@ -77,7 +125,7 @@ class Stage:
             self.inputs[mb] = inputs
         if self.is_last:
             if loss is None and criterion is not None:
-                loss = criterion(*outs, *labels)
+                loss = self._loss(mb, criterion, outs, labels)
             if loss is not None:
                 self.losses[mb] = loss
             if training and loss is None:
@@ -87,6 +135,23 @@ class Stage:
                 self.outputs[mb] = tuple(o.detach() for o in outs)
         else:
             self.outputs[mb] = outs
+
+    def _loss(self, mb: int, criterion: Callable, outs: Sequence[torch.Tensor], labels: Sequence[Any]) -> Any:
+        """``criterion(*outputs, *labels)``; a TypeError with no labels given means they are missing."""
+        try:
+            return criterion(*outs, *labels)
+        except TypeError as exc:
+            if labels and not all(v is None for v in labels):
+                raise PipelineError(f"{self.where('F', mb)}, criterion: TypeError: {exc}") from exc
+            rank = "this rank" if self.rank is None else f"rank {self.rank}"
+            raise PipelineError(
+                f"{self.where('F', mb)}: the criterion was called without labels and raised TypeError: {exc}; "
+                f"{rank} holds the last stage {self.stage} of chain {self.chain}, so pass labels= to step() here "
+                "(they are split into micro-batches like the inputs)") from exc
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise PipelineError(f"{self.where('F', mb)}, criterion: {type(exc).__name__}: {exc}") from exc
 
     # ----- B / BW / W -------------------------------------------------------------------------
     def roots(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> tuple[list, list]:
@@ -100,16 +165,17 @@ class Stage:
         """B (``split``: weight gradients left for W) or BW; keeps the input grads for sending."""
         roots, gs = self.roots(mb, grads)
         inputs = self.inputs[mb]
-        if not split:
-            input_grads = full_backward(roots, gs, inputs)
-        elif self.fast:
-            with self.store.deferring((self.chain, self.stage, mb)):
+        with self._context("B" if split else "BW", mb):
+            if not split:
                 input_grads = full_backward(roots, gs, inputs)
-            self.pending_w[mb] = "store"
-        else:
-            input_grads, w = split_backward(roots, gs, inputs)
-            if w is not None:
-                self.pending_w[mb] = w
+            elif self.fast:
+                with self.store.deferring((self.chain, self.stage, mb)):
+                    input_grads = full_backward(roots, gs, inputs)
+                self.pending_w[mb] = ("store", None)
+            else:  # store active too: deferring layers queue their GEMMs if the split falls back
+                with self.store.deferring((self.chain, self.stage, mb)):
+                    input_grads, w = split_backward(roots, gs, inputs)
+                self.pending_w[mb] = ("store", w)
         self.after_backward(mb, input_grads, split)
 
     def after_backward(self, mb: int, input_grads: list, split: bool) -> None:
@@ -121,13 +187,15 @@ class Stage:
             self._drop(mb)
 
     def weight(self, mb: int) -> None:
-        """W: the weight gradients B left behind."""
+        """W: the weight gradients B left behind (the store's closures and/or the generic split's rest)."""
         w = self.pending_w.pop(mb, None)
-        if w == "store":
-            for fn in self.store.pop((self.chain, self.stage, mb)):
-                fn()
-        elif w is not None:
-            w.run()
+        with self._context("W", mb):
+            if w == "store":  # set by the executor's overlapped F&B
+                w = ("store", None)
+            if w is not None:
+                self.store.run((self.chain, self.stage, mb))
+                if w[1] is not None:
+                    w[1].run()
         self._drop(mb)
 
     def _drop(self, mb: int) -> None:

@@ -16,6 +16,8 @@ from .config import DeepSeekV3Config
 
 
 class RMSNorm(nn.Module):
+    cheap_weight_grad = True  # its weight gradient is a cheap reduction: the runtime computes it during B
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

@@ -61,6 +61,8 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
+    cheap_weight_grad = True  # a (tokens x dim x experts) GEMM, small next to the experts: computed during B
+
     def __init__(self, config: DeepSeekV3Config) -> None:
         super().__init__()
         self.topk, self.n_groups, self.topk_groups = (config.n_activated_experts, config.n_expert_groups,

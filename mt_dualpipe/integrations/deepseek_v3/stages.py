@@ -8,6 +8,11 @@ Parameter names are the full model's, so ``load_from`` copies weights by key.
 The runtime contract: ``stage(*inputs)`` takes the previous stage's outputs (token ids on the
 first stage) and returns the hidden states; the last stage's ``criterion(hidden, labels)`` returns
 the training loss (main + λ·MTP; the MoE balance loss enters through its gradient).
+
+Stages are built with ``DeferredLinear`` layers by default (``defer_weight_grads=True``): under a
+zero-bubble schedule B then computes only input gradients (plus the cheap norm, gate and embedding
+weight gradients) and W runs the linears' weight-gradient GEMMs. Same parameters, state dict and
+results as ``nn.Linear``; the single-process ``DeepSeekV3Model`` stays plain.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from .config import DeepSeekV3Config
 from .mla import RMSNorm
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, deferred_init, init_weights, language_model_losses
@@ -79,7 +85,7 @@ class DeepSeekV3Stage(nn.Module):
     """One pipeline stage of DeepSeek-V3 (see the module docstring for the contract)."""
 
     def __init__(self, config: DeepSeekV3Config, index: int, num_stages: int, layer_ids: Sequence[int],
-                 ep_group: dist.ProcessGroup | None = None) -> None:
+                 ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True) -> None:
         super().__init__()
         if not 0 <= index < num_stages:
             raise ValueError(f"stage index {index} is outside 0..{num_stages - 1}")
@@ -95,6 +101,8 @@ class DeepSeekV3Stage(nn.Module):
                 self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
                 self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
         init_weights(self, config.init_std)
+        if defer_weight_grads:
+            _defer_weight_grads(self)
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
@@ -190,11 +198,14 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
 # ----- building and placing stages -------------------------------------------------------------------
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
                  source: DeepSeekV3Model | None = None, indices: Sequence[int] | None = None,
-                 ep_group: dist.ProcessGroup | None = None) -> list[DeepSeekV3Stage]:
-    """The stage modules (all, or only ``indices``), weights copied from ``source`` when given."""
+                 ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True
+                 ) -> list[DeepSeekV3Stage]:
+    """The stage modules (all, or only ``indices``), weights copied from ``source`` when given.
+
+    ``defer_weight_grads``: build the linears as ``DeferredLinear`` (the zero-bubble B/W split)."""
     ids = stage_layer_ids(config, num_stages, layout)
     wanted = range(num_stages) if indices is None else indices
-    stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group) for i in wanted]
+    stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads) for i in wanted]
     if source is not None:
         for st in stages:
             st.load_from(source)
@@ -220,12 +231,14 @@ def _check_rank(rank: int, num_ranks: int) -> None:
 
 def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: Sequence[int] | str | None = None,
                     *, source: DeepSeekV3Model | None = None,
-                    ep_group: dist.ProcessGroup | None = None) -> list[DeepSeekV3Stage]:
+                    ep_group: dist.ProcessGroup | None = None,
+                    defer_weight_grads: bool = True) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s."""
     num_stages = schedule.num_stages(0)
     wanted = [s for _, s in schedule.local_stages(rank)]
-    return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group)
+    return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
+                        defer_weight_grads=defer_weight_grads)
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage]):

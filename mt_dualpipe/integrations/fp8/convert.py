@@ -6,7 +6,8 @@ sensitive. Embeddings, norms and the attention core are not ``nn.Linear`` and ar
 the head and the gate *are* linears, so they are skipped by name: a linear is kept when any dotted
 component of its qualified name is in ``DEFAULT_SKIP`` (``head``, ``lm_head``, ``output``,
 ``gate``, ``router``, ...). ``gate_proj`` (a SwiGLU FFN projection) is converted: only whole
-components match. Only exact ``nn.Linear`` instances are converted; subclasses may carry a different
+components match. Only exact ``nn.Linear`` and ``DeferredLinear`` instances are converted (the latter
+becomes an FP8Linear, which defers its weight gradient too); other subclasses may carry a different
 forward (e.g. ``nn.MultiheadAttention.out_proj``) and are left alone.
 
 Engines: ``backend="auto" | "scaled_mm" | "emulated"`` use this package's FP8Linear (which supports
@@ -27,6 +28,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from ...runtime.deferred import DeferredLinear
 from .backends import BACKENDS, backend_summary, has_module
 from .linear import FP8Linear
 
@@ -37,6 +39,7 @@ DEFAULT_SKIP: tuple[str, ...] = (
     "tok_embeddings", "embed_tokens", "wte",
 )
 ENGINES = ("torchao", "transformer_engine")
+CONVERTIBLE: tuple[type[nn.Linear], ...] = (nn.Linear, DeferredLinear)  # exact types only
 
 Skip = Union[Iterable[str], Callable[[str, nn.Module], bool], None]
 
@@ -64,7 +67,7 @@ def skip_predicate(skip: Skip = DEFAULT_SKIP) -> Callable[[str, nn.Module], bool
 
 
 def _candidates(model: nn.Module, skip: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Linear]]:
-    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and not skip(name, m)]
+    return [(name, m) for name, m in model.named_modules() if type(m) in CONVERTIBLE and not skip(name, m)]
 
 
 def _set(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -82,12 +85,12 @@ def convert_to_fp8(model: nn.Module, skip: Skip = DEFAULT_SKIP, backend: str = "
     """
     if backend not in BACKENDS + ENGINES:
         raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS + ENGINES)}")
-    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
+    if type(model) in CONVERTIBLE:
         raise TypeError("convert_to_fp8 converts the linears inside a model in place; "
                         "wrap a bare nn.Linear with FP8Linear.from_linear(linear) instead")
     pred = skip_predicate(skip)
     targets = _candidates(model, pred)
-    kept = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear) - len(targets)
+    kept = sum(1 for _, m in model.named_modules() if type(m) in CONVERTIBLE) - len(targets)
     if backend == "torchao":
         _convert_torchao(model, pred)
         line = f"fp8 backend: torchao Float8Linear (row-wise recipe); {len(targets)} linears converted, {kept} kept"
@@ -118,7 +121,7 @@ def _convert_torchao(model: nn.Module, skip: Callable[[str, nn.Module], bool]) -
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name("rowwise")
-    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: type(m) is nn.Linear and not skip(fqn, m),
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: type(m) in CONVERTIBLE and not skip(fqn, m),
                                config=config)
 
 
