@@ -23,6 +23,8 @@ from mt_dualpipe.runtime import run_backward
 class LinearFunc(torch.autograd.Function):
     """A linear layer whose weight gradient can wait for W (the B/W split's fast path)."""
 
+    deferred = 0  # how many weight gradients went through a WeightGradStore (to show the split works)
+
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
@@ -37,7 +39,11 @@ class LinearFunc(torch.autograd.Function):
             weight.grad = g if weight.grad is None else weight.grad + g
 
         store = WeightGradStore.active()
-        store.put(weight_grad) if store is not None else weight_grad()
+        if store is not None:
+            LinearFunc.deferred += 1
+            store.put(weight_grad)
+        else:
+            weight_grad()
         return grad_out @ weight, None
 
 
@@ -49,6 +55,7 @@ class MyLinear(nn.Linear):
 
 
 class PipelineStage(nn.Module):
+    hook_calls = 0  # how often the runtime ran an F&B pair through the hook below
     def __init__(self, hidden: int):
         super().__init__()
         self.linear1 = MyLinear(hidden, 4 * hidden, bias=False)
@@ -61,6 +68,7 @@ class PipelineStage(nn.Module):
     def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
                                     output_grads1):
         """The F of one micro-batch and the backward of another as one unit (here simply in turn)."""
+        cls.hook_calls += 1
         outputs0 = module0(*inputs0)
         outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None

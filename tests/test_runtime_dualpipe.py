@@ -6,79 +6,29 @@ inference step with ``return_outputs``."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from dist_utils import run_ranks
 from test_runtime_models import cos_diff
 
-from mt_dualpipe.runtime import WeightGradStore, run_backward
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from toy_pipeline import LinearFunc  # noqa: E402  (the examples' stage: deferred linears + F&B hook)
+from toy_pipeline import PipelineStage as _ExampleStage  # noqa: E402
+from toy_pipeline import criterion as _example_criterion  # noqa: E402
 
 H, ROWS = 8, 2
 
 
-class LinearFunc(torch.autograd.Function):
-    deferred = 0
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-
-        def weight_grad():
-            g = grad_out.flatten(0, -2).T @ x.flatten(0, -2)
-            weight.grad = g if weight.grad is None else weight.grad + g
-
-        store = WeightGradStore.active()
-        if store is not None:
-            LinearFunc.deferred += 1
-            store.put(weight_grad)
-        else:
-            weight_grad()
-        return grad_out @ weight, None
-
-
-class MyLinear(nn.Linear):
-    supports_deferred_weight_grad = True
-
-    def forward(self, x):
-        return LinearFunc.apply(x, self.weight)
-
-
-class PipelineStage(nn.Module):
-    hook_calls = 0
-
-    def __init__(self):
-        super().__init__()
-        self.linear1 = MyLinear(H, 4 * H, bias=False)
-        self.linear2 = MyLinear(4 * H, H, bias=False)
-
-    def forward(self, x):
-        return self.linear2(F.gelu(self.linear1(x)))
-
-    @classmethod
-    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
-                                    output_grads1):
-        cls.hook_calls += 1
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
+def PipelineStage() -> _ExampleStage:  # noqa: N802 (a stage of width H, as the examples build it)
+    return _ExampleStage(H)
 
 
 def criterion(output, target):
-    return F.mse_loss(output, target).clone()
+    return _example_criterion(output, target)
 
 
 def ref_step(x, labels, model, chunks):
@@ -108,9 +58,9 @@ def _dualpipe(rank, P, num_chunks):
     first, last = rank == 0, rank == P - 1
     x = full_x.chunk(2)[0] if first else full_x.chunk(2)[1] if last else None
     lab = full_l.chunk(2)[1] if first else full_l.chunk(2)[0] if last else None
-    PipelineStage.hook_calls = LinearFunc.deferred = 0
+    _ExampleStage.hook_calls = LinearFunc.deferred = 0
     loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=False)
-    res = {"hook_calls": PipelineStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs}
+    res = {"hook_calls": _ExampleStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs}
     if first:
         res["loss_ok"] = torch.equal(loss, loss_ref.chunk(2)[1])
     elif last:
@@ -146,9 +96,9 @@ def _dualpipev(rank, P, num_chunks):
         p.grad = None
     model = DualPipeV(local, timeout=30)
     x, lab = (full_x, full_l) if rank == 0 else (None, None)
-    PipelineStage.hook_calls = LinearFunc.deferred = 0
+    _ExampleStage.hook_calls = LinearFunc.deferred = 0
     loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=False)
-    res = {"hook_calls": PipelineStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs,
+    res = {"hook_calls": _ExampleStage.hook_calls, "deferred": LinearFunc.deferred, "outputs": outputs,
            "loss_ok": torch.equal(loss, loss_ref) if rank == 0 else loss is None}
     res["grad_diff"] = max(cos_diff(p.grad, q.grad) for p, q in zip(local.parameters(), local_full.parameters()))
     model.zero_grad()
