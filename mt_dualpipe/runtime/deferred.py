@@ -1,0 +1,128 @@
+"""DeferredLinear: ``nn.Linear`` whose weight-gradient GEMM can wait for ``W``.
+
+The zero-bubble split needs B to produce only the input gradient. For a linear layer that is one
+GEMM (``dx = dy W``); the other (``dW = dyᵀ x``, plus the bias sum) is what W runs later. The
+autograd function below does exactly the matmuls autograd does for ``F.linear`` (same calls, same
+operand layouts), so results are bit-identical to ``nn.Linear``; the only difference is *when* the
+weight gradient runs: inside a B with a ``WeightGradStore`` active it is queued as a closure that
+accumulates into ``.grad`` (creating it if None) when W runs; otherwise it is returned to autograd
+at once, as usual.
+
+``defer_weight_grads(model)`` swaps a model's exact ``nn.Linear`` children for this class in
+place, keeping the Parameter objects, so state dicts, names and optimizers built before are
+unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .weight_grad import WeightGradStore
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add to it."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _DeferredLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias  # the parameters themselves: a deferred W writes their .grad
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = dy.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        want_w = ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        if not (want_w or want_b):
+            return dx, None, None
+
+        def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            dw = dy.t().mm(x.reshape(-1, x.shape[-1])) if want_w else None  # autograd's layout for W = (Wᵀ)ᵀ
+            db = dy.sum(0) if want_b else None
+            return dw, db
+
+        store = WeightGradStore.active()
+        leaves = (not want_w or weight.is_leaf) and (not want_b or bias.is_leaf)
+        if store is not None and leaves:
+            def run_w() -> None:
+                dw, db = weight_grads()
+                if dw is not None:
+                    _accumulate(weight, dw)
+                if db is not None:
+                    _accumulate(bias, db)
+
+            store.put(run_w)
+            return dx, None, None
+        dw, db = weight_grads()
+        return dx, dw, db
+
+
+class DeferredLinear(nn.Linear):
+    """Drop-in ``nn.Linear`` (same parameters, init and state dict) whose weight gradient may run at W.
+
+    Deferred weight gradients bypass autograd's accumulation (they are written to ``.grad`` when W
+    runs), so gradient hooks registered on the parameters do not see them.
+    """
+
+    supports_deferred_weight_grad = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> DeferredLinear:
+        """A DeferredLinear that shares ``linear``'s parameter objects (and hooks-free state)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad or
+                                               (self.bias is not None and self.bias.requires_grad)):
+            return F.linear(x, self.weight, self.bias)  # nothing to differentiate: skip the Function
+        return _DeferredLinearFunction.apply(x, self.weight, self.bias)
+
+
+def defer_weight_grads(module: nn.Module, skip: Iterable[str] | Callable[[str, nn.Module], bool] | None = None
+                       ) -> nn.Module:
+    """Swap every exact ``nn.Linear`` inside ``module`` for a ``DeferredLinear``, in place; returns ``module``.
+
+    ``skip``: qualified names to keep as they are (or a predicate on (name, module)). Subclasses of
+    ``nn.Linear`` are left alone (they may carry their own forward). The swapped layers reuse the
+    original Parameter objects, so optimizers built before keep working.
+    """
+    if type(module) is nn.Linear:
+        raise TypeError("defer_weight_grads swaps the linears inside a model in place; "
+                        "wrap a bare nn.Linear with DeferredLinear.from_linear(linear) instead")
+    if skip is None:
+        def keep(name: str, m: nn.Module) -> bool:
+            return False
+    elif callable(skip):
+        keep = skip
+    else:
+        if isinstance(skip, str):
+            raise TypeError(f"skip must be an iterable of qualified names, a predicate or None, not the string "
+                            f"{skip!r}")
+        names = set(skip)
+
+        def keep(name: str, m: nn.Module) -> bool:
+            return name in names
+    targets = [(name, m) for name, m in module.named_modules() if type(m) is nn.Linear and not keep(name, m)]
+    for name, m in targets:
+        parent, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, leaf, DeferredLinear.from_linear(m))
+    return module
