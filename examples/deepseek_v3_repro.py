@@ -1,6 +1,6 @@
 """Train DeepSeek-V3 (tiny preset) with DualPipe on local CPU processes — the README's first command.
 
-    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, about a minute on 2 cores
+    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, 1-2 minutes on 2 cores
     python examples/deepseek_v3_repro.py --inject-nan 25      # watch a NaN get caught and rewound
     python examples/deepseek_v3_repro.py --checkpoint-dir ckpt/   # async checkpoints; rerun to resume
     python examples/deepseek_v3_repro.py --schedule dualpipev --ranks 2 --steps 20 --summary out.json
@@ -51,6 +51,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     update_expert_bias,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import TextCorpus, synthetic_batch  # noqa: E402
+from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
 
 
@@ -280,11 +281,9 @@ def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on
         t0 = time.perf_counter()
         result = stepper.step(batch_fn)
         elapsed = time.perf_counter() - t0
-        if not result.ok:  # every rank is back at the snapshot: forget the undone steps and the bad counts
-            for m in mods:
-                for name, b in m.named_buffers():
-                    if name.endswith("gate.load"):
-                        b.zero_()
+        if not result.ok:  # every rank is back at the snapshot: forget the undone steps and the bad step's
+            for moe in moe_layers(torch.nn.ModuleList(mods)):  # expert loads (not part of the state dict)
+                moe.gate.load.zero_()
             for key in ("loss", "mtp_loss", "balance", "tokens_per_s"):
                 del history[key][max(0, stepper.step_index - start):]
             if on_fault is not None:
@@ -375,9 +374,11 @@ def report(summary: dict) -> None:
     if bub["measured"] is not None:
         t.add_row("bubble rate measured / simulated", f"{100 * bub['measured']:.1f} % / {100 * bub['simulated']:.1f} %")
     if summary["rewind"]:
-        steps = ", ".join(str(f["step"]) for f in summary["faults"])
-        t.add_row("rewinds / skipped batches", f"{summary['rewinds']}{f' (step {steps})' if steps else ''} / "
-                                               f"{len(summary['skipped_batches'])}")
+        steps = ", ".join(str(f["step"]) for f in summary["faults"] if f["rewound_to"] >= 0)
+        skipped = ", ".join(map(str, summary["skipped_batches"]))
+        rewinds = f"{summary['rewinds']}" + (f" (step {steps})" if steps else "")
+        skips = f"{len(summary['skipped_batches'])}" + (f" (batch {skipped})" if skipped else "")
+        t.add_row("rewinds / skipped batches", f"{rewinds} / {skips}")
     if summary["resumed_from"] is not None:
         t.add_row("resumed from checkpoint", f"step {summary['resumed_from']}")
     if summary["checkpoint_dir"]:
@@ -411,6 +412,7 @@ def progress_callbacks(args: argparse.Namespace, rank: int):
 
         return None, on_step, on_fault
 
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
@@ -422,7 +424,7 @@ def progress_callbacks(args: argparse.Namespace, rank: int):
         progress.update(task, completed=stepper.step_index, stats=stats(h, stepper))
 
     def on_fault(event, stepper, h):
-        progress.console.print(f"[yellow]{fault_line(event)}")
+        progress.console.print(f"[yellow]{escape(fault_line(event))}")
         progress.update(task, completed=stepper.step_index)
 
     return progress, on_step, on_fault

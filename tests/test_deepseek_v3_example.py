@@ -1,28 +1,106 @@
-"""The DeepSeek-V3 example end to end: a short run spawns its ranks, trains and writes the summary."""
+"""The DeepSeek-V3 example end to end: short runs spawn their ranks, train and write the summary
+(--no-rewind, --fp8); a rerun with --checkpoint-dir resumes; a NaN injected at one step is rewound
+and its batch skipped, and the steps before it match the clean run bit for bit."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "deepseek_v3_repro.py"
+TINY = ["--ranks", "2", "--micro-batch-size", "1", "--seq-len", "16", "--no-progress"]
 
 
-def test_example_writes_summary_and_timeline(tmp_path):
-    summary, timeline = tmp_path / "summary.json", tmp_path / "timeline.json"
-    cmd = [sys.executable, str(ROOT / "examples" / "deepseek_v3_repro.py"), "--ranks", "2", "--steps", "3",
-           "--micro-batch-size", "1", "--seq-len", "16", "--no-progress", "--summary", str(summary),
-           "--timeline", str(timeline)]
+def run_example(*args: str, summary: Path) -> tuple[dict, str]:
+    cmd = [sys.executable, str(SCRIPT), *TINY, *args, "--summary", str(summary)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    data = json.loads(summary.read_text())
+    return json.loads(summary.read_text()), done.stdout
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[dict, dict, str]:
+    """Three steps under Rewind with a checkpoint every 3 steps, then a rerun to step 5 that resumes from it:
+    (first run's summary, rerun's summary, rerun's stdout). The reference for the rewound run."""
+    tmp = tmp_path_factory.mktemp("resume")
+    ckpt = ["--snapshot-every", "3", "--checkpoint-dir", str(tmp / "ckpt")]
+    first, _ = run_example("--steps", "3", *ckpt, summary=tmp / "a.json")
+    again, out = run_example("--steps", "5", *ckpt, summary=tmp / "b.json")
+    return first, again, out
+
+
+def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    data, out = run_example("--steps", "3", "--no-rewind", "--fp8", "--timeline", str(timeline),
+                            summary=tmp_path / "s.json")
     assert data["schedule"] == "dualpipe" and data["ranks"] == 2 and data["microbatches"] == 4
+    assert data["layout"] == "Et*2|t*2mL" and data["first_step"] == 0
     assert len(data["loss"]) == len(data["mtp_loss"]) == len(data["expert_load_max_violation"]) == 3
     assert all(2.0 < v < 10.0 for v in data["loss"] + data["mtp_loss"])
+    assert all(v >= 0.0 for v in data["expert_load_max_violation"])
     assert data["tokens_per_s"] > 0
     assert 0.0 <= data["bubble_rate"]["measured"] < 1.0 and data["bubble_rate"]["simulated"] is not None
+    assert data["rewind"] is False and data["snapshot_every"] is None
+    assert data["rewinds"] == 0 and data["skipped_batches"] == [] and data["faults"] == []
+    # the FP8 backend line: printed once (rank 0), recorded in the summary
+    assert data["fp8"] is True and data["fp8_backend"].startswith("fp8 backend on cpu: ")
+    assert data["fp8_gemm"] in ("emulated", "scaled_mm")
+    assert out.count("fp8 backend on cpu: ") == 1
+    # the start line: schedule, ranks, micro-batches, layout, parameters per rank
+    first = out.splitlines()[0]
+    assert first.startswith("dualpipe · 2 ranks · 4 micro-batches of 1x16 tokens · layout Et*2|t*2mL · params/rank ")
+    assert first.endswith("rewind: off")
     events = json.loads(timeline.read_text())["events"]
     assert {e["op"] for e in events} >= {"F", "FB"}  # DualPipe ran overlapped F&B units
-    assert "bubble rate measured / simulated" in done.stdout
+    assert "bubble rate measured / simulated" in out
+
+
+def test_rerun_with_checkpoint_dir_resumes(resumed):
+    first, again, out = resumed
+    assert first["rewind"] is True and first["rewinds"] == 0 and first["skipped_batches"] == []
+    assert first["checkpoints_written"] == 1 and first["resumed_from"] is None and len(first["loss"]) == 3
+    assert again["resumed_from"] == 3 and again["first_step"] == 3 and len(again["loss"]) == 2
+    assert "resumed from the checkpoint of step 3" in out
+
+
+def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
+    data, out = run_example("--steps", "5", "--snapshot-every", "3", "--inject-nan", "4", summary=tmp_path / "s.json")
+    assert data["rewinds"] == 1 and data["skipped_batches"] == [4]
+    (fault,) = data["faults"]
+    assert (fault["step"], fault["position"], fault["rewound_to"], fault["skipped"]) == (4, 4, 3, True)
+    assert fault["kind"] == "nonfinite_loss" and fault["ranks"] == [0, 1]
+    assert "step 4: nonfinite loss" in out and "rewound to step 3, batch 4 skipped" in out
+    assert "rewinds / skipped batches" in out
+    assert len(data["loss"]) == 5  # the rewound step 3 appears once: the history was rolled back with it
+    # steps 0-3 (3 replayed after the rewind) are bit-identical to the clean runs (the resumed one included);
+    # step 4 read batch 5 instead
+    first, again, _ = resumed
+    clean_loss, clean_mtp = first["loss"] + again["loss"], first["mtp_loss"] + again["mtp_loss"]
+    assert data["loss"][:4] == clean_loss[:4] and data["mtp_loss"][:4] == clean_mtp[:4]
+    assert data["loss"][4] != clean_loss[4]
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("deepseek_v3_repro", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inject-nan", "3", "--no-rewind"], "--inject-nan demonstrates Rewind; drop --no-rewind"),
+    (["--steps", "5", "--inject-nan", "5"], "--inject-nan STEP must be a step of this run, 0..4, got 5"),
+    (["--snapshot-every", "0"], "--snapshot-every must be >= 1, got 0"),
+    (["--checkpoint-dir", "x", "--no-rewind"], "--checkpoint-dir is written by Rewind; drop --no-rewind"),
+])
+def test_bad_options_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _example_module().parse_args(argv)
+    assert message in capsys.readouterr().err

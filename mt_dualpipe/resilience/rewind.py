@@ -276,7 +276,7 @@ class Rewind:
             loss, _ = self.pipeline.step(*inputs, num_chunks=self.num_chunks, criterion=self.criterion,
                                          labels=labels)
         except Exception as exc:  # the step's own error (the p2p timeout included) becomes a fault
-            report.fault(FaultKind.EXCEPTION, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}")
+            report.fault(FaultKind.EXCEPTION, _describe(exc))
             t2 = t3 = clock()
         t4 = clock()
         if report.kind != FaultKind.EXCEPTION:
@@ -445,3 +445,20 @@ def fresh_group(ranks: Sequence[int] | None = None, backend: str | None = None,
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)
     return dist.new_group(**kwargs)
+
+
+def _describe(exc: BaseException) -> str:
+    """The fault's cause: the root exception's type and message, and where the runtime says it happened.
+
+    The runtime wraps errors raised inside a stage as ``PipelineError("rank r F(chain c, stage s,
+    mb m) in Module: ...") from exc``; the cause named first is the original one.
+    """
+    root = exc
+    while root.__cause__ is not None and type(root).__name__ == "PipelineError":
+        root = root.__cause__
+    first = str(root).strip().splitlines()[0][:300] if str(root).strip() else ""
+    text = f"{type(root).__name__}: {first}"
+    if root is not exc:
+        text += f" (at {str(exc).strip().splitlines()[0].split(': ')[0][:120]})"
+    return text
+
