@@ -31,7 +31,7 @@ from __future__ import annotations
 import datetime
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -133,6 +133,7 @@ class P2P:
         self.cache: dict[tuple, Meta] = {}
         self.fingerprint: int | None = None
         self.agreement: tuple | None = None  # (work, flag) of the step's all-reduce until settled
+        self._td: datetime.timedelta | None = None  # the timeout as a timedelta, rebuilt when it changes
         self.recvs: dict[tuple, _Recv] = {}
         self.sends: deque[tuple] = deque()  # (works, tensors to free, where, comm), oldest first
         self.tag_chains, self.tag_stages = 1, 1
@@ -174,9 +175,11 @@ class P2P:
         self.recvs.clear()
         self.sends.clear()
 
-    def _timeout_error(self, where: tuple, what: str, peer: int, exc: BaseException | None,
+    def _timeout_error(self, where: tuple, what: str | Callable[[], str], peer: int, exc: BaseException | None,
                        how: str = "failed waiting") -> PipelineCommError:
         idx, op = where
+        if callable(what):
+            what = what()
         text = str(exc).splitlines()[0][:200] if exc is not None else ""
         timed_out = exc is None or "imed out" in text
         if timed_out:
@@ -187,8 +190,11 @@ class P2P:
             f"{'peer rank ' + str(peer) if peer >= 0 else 'the other ranks'}; "
             f"the peer is hung, failed or runs a different program{cause}")
 
-    def _wait(self, works: Sequence[Any], where: tuple, what: str, peer: int) -> None:
-        td = datetime.timedelta(seconds=self.timeout)
+    def _wait(self, works: Sequence[Any], where: tuple, what: str | Callable[[], str], peer: int) -> None:
+        """Wait for ``works``; ``what`` (text, or a function making it: formatted only on failure) names them."""
+        td = self._td
+        if td is None or td.total_seconds() != self.timeout:
+            td = self._td = datetime.timedelta(seconds=self.timeout)
         for w in works:
             try:
                 ok = w.wait(td)
@@ -227,20 +233,14 @@ class P2P:
         when the metadata is there, at ``take`` (so posting never blocks).
         """
         self._reap()
+        for comm, key, tensors, _ in sends:
+            self._check_or_announce(where, comm, key, tensors)
+        if self.direct:
+            self._post_direct(where, sends, recvs)
+            return
         ops: list = []
         owner: list[int] = []  # per op: index in sends (>= 0) or -1 - index in recvs
         for i, (comm, key, tensors, _) in enumerate(sends):
-            meta = meta_of(tensors)
-            known = self.cache.get(key)
-            if known is None:
-                self.cache[key] = meta
-                work = dist.isend(encode(meta), self.peers_global[comm.peer], self.meta_group, META_TAG)
-                self.sends.append(([work], [], where, comm))
-            elif meta != known:
-                raise PipelineError(
-                    f"rank {self.rank}: instruction {where[0]} {comm}: the stage produced tensors "
-                    f"{describe(meta)} but peer rank {comm.peer} expects {describe(known)} in this step; "
-                    "shapes and dtypes may change between steps (when the inputs change), not within one")
             dst, tag = self.peers_global[comm.peer], self.tag(key)
             for t in tensors:
                 if t is not None:
@@ -269,6 +269,38 @@ class P2P:
                 r.event = event
         for comm, key, work, buf in late:
             self.recvs[key] = _Recv(None, [work], where, comm, None, buf)
+
+    def _check_or_announce(self, where: tuple, comm: Any, key: tuple, tensors: Sequence[Any]) -> None:
+        """Send a new key's metadata first; refuse tensors that differ from the key's learned shapes."""
+        meta = meta_of(tensors)
+        known = self.cache.get(key)
+        if known is None:
+            self.cache[key] = meta
+            work = dist.isend(encode(meta), self.peers_global[comm.peer], self.meta_group, META_TAG)
+            self.sends.append(([work], [], where, comm))
+        elif meta != known:
+            raise PipelineError(
+                f"rank {self.rank}: instruction {where[0]} {comm}: the stage produced tensors "
+                f"{describe(meta)} but peer rank {comm.peer} expects {describe(known)} in this step; "
+                "shapes and dtypes may change between steps (when the inputs change), not within one")
+
+    def _post_direct(self, where: tuple, sends: Sequence[tuple], recvs: Sequence[tuple]) -> None:
+        """gloo: each tensor straight on the process group (what isend/irecv end in), one work each."""
+        g, peers, tag_of, dev = self.group, self.peers_group, self.tag, self.device
+        for comm, key, tensors, free in sends:
+            dst, tag = peers[comm.peer], tag_of(key)
+            works = [g.send([t if t.is_contiguous() else t.contiguous()], dst, tag) for t in tensors if t is not None]
+            self.sends.append((works, free, where, comm))
+        for comm, key in recvs:
+            meta = self.cache.get(key)
+            if meta is None:  # learn the shapes first; the data receive is posted at take()
+                buf = torch.empty(META_LEN, dtype=torch.int64)
+                work = dist.irecv(buf, self.peers_global[comm.peer], self.meta_group, META_TAG)
+                self.recvs[key] = _Recv(None, [work], where, comm, None, buf)
+                continue
+            src, tag = peers[comm.peer], tag_of(key)
+            bufs = [None if m is None else torch.empty(m[1], dtype=m[0], device=dev) for m in meta]
+            self.recvs[key] = _Recv(bufs, [g.recv([b], src, tag) for b in bufs if b is not None], where, comm, None)
 
     def _recv_ops(self, comm, key, meta: Meta, ops: list, owner: list, slot: int) -> list:
         src, tag = self.peers_global[comm.peer], self.tag(key)
@@ -310,8 +342,9 @@ class P2P:
             r.bufs = self._recv_ops(r.comm, key, meta, ops, owner, 0)
             r.works = self._launch(ops)
             r.event = self.sync.record()
-        self._wait(r.works, consumer, f"{r.comm} (posted by instruction {r.where[0]})", r.comm.peer)
-        self.sync.consume(r.event, [b for b in r.bufs if b is not None])
+        self._wait(r.works, consumer, lambda: f"{r.comm} (posted by instruction {r.where[0]})", r.comm.peer)
+        if r.event is not None:
+            self.sync.consume(r.event, [b for b in r.bufs if b is not None])
         if requires_grad:
             for b in r.bufs:
                 if b is not None and (b.is_floating_point() or b.is_complex()):
@@ -329,7 +362,7 @@ class P2P:
         if self.agreement is not None:
             self.settle()
         for works, free, _, comm in self.sends:
-            self._wait(works, where, f"{comm} to complete", comm.peer)
+            self._wait(works, where, lambda c=comm: f"{c} to complete", comm.peer)
             _release(free)
         self.sends.clear()
         if self.recvs:

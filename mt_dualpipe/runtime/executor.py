@@ -6,6 +6,10 @@ receive, waited for right before F; B/BW takes its output gradients the same way
 is posted at once and never waited for; sends complete in the background and their outputs'
 storage is released once they have. Peak live activations follow the simulator's rule (+1 at F,
 -1 at W or BW), so the recorded peak can be compared with ``simulate()``.
+
+Per step the loop only dispatches: what an instruction needs (its stage, where its inputs or
+output grads come from, each comm op's message key) is resolved once per program into a plan
+(``Executor.plan``), so the Python cost per instruction is a tuple unpack and a call.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ def _releasable(t: torch.Tensor, inputs: Sequence[Any], training: bool) -> bool:
 
 
 _FETCH = object()  # "take the output grads from the program" (None is a valid value: a last stage)
+_LAST = object()  # plan: a chain's last stage (B starts from the loss, no output grads)
+# plan codes (compared with ``is``: small ints are shared objects)
+_POST, _F, _B, _BW, _W, _FB = range(6)
+_SEND_F, _SEND_B, _RECV = range(3)
 
 
 class StepResult:
@@ -59,9 +67,11 @@ class Executor:
             raise PipelineError(
                 f"rank {rank} runs {len(local)} stage(s) {local} of schedule {sched.name!r} but was given "
                 f"{len(modules)} module(s); pass one module per stage, in (chain, stage) order")
-        self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store)
+        self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store, rank=rank)
                        for (c, s), m in zip(local, modules)}
         self._programs: dict[bool, list[tuple[int, Any]]] = {}
+        self._plans: dict[bool, list[tuple]] = {}
+        self._tag_shape = (len(self.placement), max(len(c) for c in self.placement))
 
     def instructions(self, forward_only: bool) -> list[tuple[int, Any]]:
         """(index in the program, instruction); forward-only drops backward ops and their messages."""
@@ -81,6 +91,48 @@ class Executor:
             self._programs[forward_only] = out
         return self._programs[forward_only]
 
+    def plan(self, forward_only: bool) -> list[tuple]:
+        """The instructions with everything a step would look up per op resolved once per program.
+
+        Each entry is ``(code, index, instruction, a, b)``: for F, ``a`` is the stage and ``b`` where
+        its inputs come from (None: the step's micro-batch; a ``Stage``: handed over locally at the
+        turn of a V; a message key: a receive); for B/BW likewise the output grads (``_LAST`` for a
+        chain's last stage); for W ``a`` is the stage; for a ``CommBatch`` ``a`` is one
+        ``(kind, comm, stage, key)`` per comm op. Built on first use, so an invalid program fails
+        in the step that first runs it, with the same errors as before.
+        """
+        if forward_only not in self._plans:
+            self._plans[forward_only] = [self._plan_one(i, ins) for i, ins in self.instructions(forward_only)]
+        return self._plans[forward_only]
+
+    def _plan_one(self, idx: int, ins: Any) -> tuple:
+        t = type(ins)
+        if t is CommBatch:
+            comms = []
+            for c in ins.ops:
+                st = self.stages.get((c.chain, c.stage))
+                if st is None:
+                    raise PipelineError(f"rank {self.rank}: instruction {idx} {c} names a stage this rank does "
+                                        "not run")
+                kind = _SEND_F if c.kind == "SEND_F" else _SEND_B if c.kind == "SEND_B" else _RECV
+                comms.append((kind, c, st, message_key(c.kind, c.chain, c.stage, c.mb)))
+            return (_POST, idx, ins, tuple(comms), None)
+        if t is FB:
+            return (_FB, idx, ins, None, None)
+        st = self.stages.get((ins.chain, ins.stage))
+        if st is None:
+            raise PipelineError(f"rank {self.rank}: instruction {idx} {ins} names a stage this rank does not run")
+        c, s, m = ins.chain, ins.stage, ins.mb
+        if ins.kind == "F":
+            src = None if s == 0 else self.stages[c, s - 1] if self.placement[c][s - 1] == self.rank \
+                else ("F", c, s - 1, m)
+            return (_F, idx, ins, st, src)
+        if ins.kind == "W":
+            return (_W, idx, ins, st, None)
+        src = _LAST if st.is_last else self.stages[c, s + 1] if self.placement[c][s + 1] == self.rank \
+            else ("B", c, s + 1, m)
+        return (_B if ins.kind == "B" else _BW, idx, ins, st, src)
+
     # ----- one step -----------------------------------------------------------------------------
     def run(self, inputs: dict[int, tuple], labels: dict[int, tuple], criterion: Callable | None,
             forward_only: bool, keep_outputs: bool, record: bool) -> StepResult:
@@ -97,35 +149,50 @@ class Executor:
         signature = (self.program.schedule.num_microbatches,
                      tuple((m, tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None
                                      for t in xs)) for m, xs in sorted(inputs.items())))
-        p2p.set_shape(len(self.placement), max(len(c) for c in self.placement))
-        p2p.start_step(signature)
+        p2p.set_shape(self._tag_shape[0], self._tag_shape[1])
+        p2p.begin_step(signature)  # settled by the first post: compute before it overlaps the agreement
         clock = time.time
-        prog = self.instructions(forward_only)
-        for idx, ins in prog:
-            t = type(ins)
-            if t is CommBatch:
-                self._post(idx, ins)
+        training, take, rank = self.training, p2p.take, self.rank
+        for code, idx, ins, a, b in self.plan(forward_only):
+            if code is _POST:
+                self._post(idx, ins, a)
                 continue
-            if t is FB:
+            if code is _F:
+                if b is None:
+                    got = self._step_inputs(ins)
+                elif type(b) is tuple:
+                    got = take(b, (idx, ins), training)
+                else:
+                    got = self._handed_over(b, ins.mb)
+                start = clock()
+                self._run_forward(a, ins.mb, got)
+            elif code is _W:
+                start = clock()
+                a.weight(ins.mb)
+                self.live -= 1
+            elif code is _FB:
                 start = self._fb(idx, ins)
             else:
-                kind = ins.kind
-                if kind == "F":
-                    start = self._forward(idx, ins)
-                elif kind == "W":
-                    start = clock()
-                    self.stages[ins.chain, ins.stage].weight(ins.mb)
-                    self.live -= 1
+                if b is _LAST:
+                    grads = None
+                elif type(b) is tuple:
+                    grads = take(b, (idx, ins), False)
                 else:
-                    start = self._backward(idx, ins)
+                    grads = b.input_grads.pop(ins.mb)
+                start = clock()
+                if code is _B:
+                    a.backward(ins.mb, grads, split=True)
+                else:
+                    a.backward(ins.mb, grads, split=False)
+                    self.live -= 1
             if record:
                 end = clock()
-                if t is FB:
-                    f, b = ins.f, ins.b
-                    events.append(TimelineEvent(self.rank, "FB", f.chain, f.stage, f.mb, start, end,
-                                                (b.kind, b.chain, b.stage, b.mb)))
+                if code is _FB:
+                    f, bk = ins.f, ins.b
+                    events.append(TimelineEvent(rank, "FB", f.chain, f.stage, f.mb, start, end,
+                                                (bk.kind, bk.chain, bk.stage, bk.mb)))
                 else:
-                    events.append(TimelineEvent(self.rank, ins.kind, ins.chain, ins.stage, ins.mb, start, end))
+                    events.append(TimelineEvent(rank, ins.kind, ins.chain, ins.stage, ins.mb, start, end))
         p2p.finish((len(self.program.ranks[self.rank]), "end of step"))
         if len(self.store):
             raise PipelineError(f"rank {self.rank}: the step ended with {len(self.store)} deferred weight-gradient "
@@ -141,20 +208,16 @@ class Executor:
         return StepResult(losses, outputs, self.peak, events)
 
     # ----- instructions ---------------------------------------------------------------------------
-    def _post(self, idx: int, batch: CommBatch) -> None:
+    def _post(self, idx: int, batch: CommBatch, comms: Sequence[tuple]) -> None:
         sends, recvs = [], []
-        for c in batch.ops:
-            key = message_key(c.kind, c.chain, c.stage, c.mb)
-            st = self.stages.get((c.chain, c.stage))
-            if st is None:
-                raise PipelineError(f"rank {self.rank}: instruction {idx} {c} names a stage this rank does not run")
-            if c.kind == "SEND_F":
+        for kind, c, st, key in comms:
+            if kind is _SEND_F:
                 outs = st.outputs.get(c.mb)
                 if outs is None:
                     raise PipelineError(f"rank {self.rank}: instruction {idx} {c} sends the output of "
                                         f"F(c{c.chain},s{c.stage},m{c.mb}), which has not run yet")
                 sends.append((c, key, outs, st.free_after_send.pop(c.mb, ())))
-            elif c.kind == "SEND_B":
+            elif kind is _SEND_B:
                 grads = st.input_grads.pop(c.mb, None)
                 if grads is None:
                     raise PipelineError(f"rank {self.rank}: instruction {idx} {c} sends the input gradients of "
@@ -164,19 +227,31 @@ class Executor:
                 recvs.append((c, key))
         self.p2p.post((idx, batch), sends, recvs)
 
+    def _step_inputs(self, op: Op) -> Sequence[Any]:
+        got = self.inputs.get(op.mb)
+        if got is None:
+            raise PipelineError(f"rank {self.rank}: {op} starts chain {op.chain} but this rank got no inputs for "
+                                f"micro-batch {op.mb}; pass the inputs on the rank that holds the chain's first stage")
+        return got
+
+    def _handed_over(self, prev: Stage, mb: int) -> Sequence[Any]:
+        """The turn of a V: the previous stage's outputs, as fresh autograd leaves when training."""
+        outs = prev.outputs[mb]
+        if not self.training:
+            return outs
+        return tuple(o.detach().requires_grad_(o.is_floating_point() or o.is_complex()) for o in outs)
+
+    def _run_forward(self, st: Stage, mb: int, inputs: Sequence[Any]) -> None:
+        st.forward(mb, inputs, self.criterion if st.is_last else None, self._labels(st, mb), self.training,
+                   self.keep_outputs)
+        self._note_forward(st, mb, inputs)
+
     def _forward_inputs(self, idx: int, op: Op) -> Sequence[Any]:
         c, s, m = op.chain, op.stage, op.mb
         if s == 0:
-            got = self.inputs.get(m)
-            if got is None:
-                raise PipelineError(f"rank {self.rank}: {op} starts chain {c} but this rank got no inputs for "
-                                    f"micro-batch {m}; pass the inputs on the rank that holds the chain's first stage")
-            return got
+            return self._step_inputs(op)
         if self.placement[c][s - 1] == self.rank:  # the turn of a V: handed over locally
-            outs = self.stages[c, s - 1].outputs[m]
-            if not self.training:
-                return outs
-            return tuple(o.detach().requires_grad_(o.is_floating_point() or o.is_complex()) for o in outs)
+            return self._handed_over(self.stages[c, s - 1], m)
         return self.p2p.take(("F", c, s - 1, m), (idx, op), self.training)
 
     def _output_grads(self, idx: int, op: Op, st: Stage) -> Sequence[Any] | None:

@@ -124,8 +124,6 @@ class Pipeline(nn.Module):
             else:
                 sched = build_schedule(self.schedule, self.num_ranks, num_chunks, **self.schedule_options)
             ex = Executor(lower(sched), self.rank, list(self.module), self.p2p, self.store)
-            for st in ex.stages.values():
-                st.rank = self.rank  # for error messages
             self._executors[num_chunks] = ex
         return self._executors[num_chunks]
 
