@@ -25,14 +25,6 @@ from torch import nn
 from .weight_grad import WeightGradStore
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does for a dense leaf: set ``.grad`` or add to it."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
 class _DeferredLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -59,14 +51,7 @@ class _DeferredLinearFunction(torch.autograd.Function):
         store = WeightGradStore.active()
         leaves = (not want_w or weight.is_leaf) and (not want_b or bias.is_leaf)
         if store is not None and leaves:
-            def run_w() -> None:
-                dw, db = weight_grads()
-                if dw is not None:
-                    _accumulate(weight, dw)
-                if db is not None:
-                    _accumulate(bias, db)
-
-            store.put(run_w)
+            store.put_grads((weight, bias), weight_grads)
             return dx, None, None
         dw, db = weight_grads()
         return dx, dw, db

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 
 _active_lock = threading.Lock()
@@ -48,6 +49,22 @@ class WeightGradStore:
         if self._collecting is None:
             raise RuntimeError("WeightGradStore.put called outside a deferred B (use WeightGradStore.active())")
         self._collecting.append(fn)
+
+    def put_grads(self, params: Sequence[Any], compute: Callable[[], Sequence[Any]]) -> None:
+        """Queue ``compute`` (returning one gradient or None per parameter) to run at W and be
+        accumulated into each parameter's ``.grad`` the way autograd's AccumulateGrad does
+        (set it, or add to it; cast to the parameter's dtype)."""
+        def run() -> None:
+            for param, grad in zip(params, compute()):
+                if grad is None:
+                    continue
+                grad = grad.to(param.dtype)
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+
+        self.put(run)
 
     @contextmanager
     def deferring(self, key: Hashable = None) -> Iterator[None]:

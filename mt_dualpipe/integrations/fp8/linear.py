@@ -25,14 +25,6 @@ from .backends import BACKENDS, Gemm, resolve_gemm
 from .quantize import QTensor, dequantize, quantize_blocks, quantize_tiles
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
 def _deferrable(param: torch.Tensor | None, wanted: bool) -> bool:
     """A gradient can be queued only for a leaf parameter (its ``.grad`` is where autograd puts it)."""
     return not wanted or (param is not None and param.is_leaf)
@@ -76,14 +68,7 @@ class _FP8LinearFunction(torch.autograd.Function):
 
         store = WeightGradStore.active()
         if store is not None and _deferrable(weight, want_w) and _deferrable(bias, want_b):
-            def run_w() -> None:
-                dw, db = weight_grads()
-                if dw is not None:
-                    _accumulate(weight, dw)
-                if db is not None:
-                    _accumulate(bias, db)
-
-            store.put(run_w)
+            store.put_grads((weight, bias), weight_grads)
             return dx, None, None, None, None
         dw, db = weight_grads()
         return (dx, None if dw is None else dw.to(weight.dtype),
