@@ -24,8 +24,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any
 from contextlib import contextmanager
+from typing import Any
 
 _active_lock = threading.Lock()
 _active: WeightGradStore | None = None
