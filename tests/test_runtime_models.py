@@ -134,6 +134,21 @@ class WithBuffer(nn.Module):
         return torch.sigmoid(self.lin(x) * self.scale) + tokens.unsqueeze(-1), tokens
 
 
+class HookedIntermediate(nn.Module):
+    """A tensor hook on the output of a layer with weights: W must apply it exactly once."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(H, 2 * H)
+        self.down = nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 2)
+        return self.down(torch.tanh(h))
+
+
 def _run_split(mod, xs, split):
     mod.zero_grad(set_to_none=True)
     xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
@@ -153,7 +168,7 @@ def _run_split(mod, xs, split):
 
 
 @pytest.mark.parametrize("make", [lambda: MLPStage().double(), lambda: SharedWeight().double(),
-                                  lambda: WithBuffer().double()])
+                                  lambda: WithBuffer().double(), lambda: HookedIntermediate().double()])
 def test_split_backward_equals_full(make):
     torch.manual_seed(0)
     mod = make()

@@ -7,11 +7,12 @@ Generic split (any ``nn.Module``). Call a graph node an *input node* when a stag
 is reachable from it. B runs the engine from the stage outputs restricted to the stage inputs, so
 every node computes only the outputs the inputs need: a linear layer's node computes its input
 gradient and skips its weight-gradient GEMM. The *frontier* nodes are the input nodes with an edge
-into a weight-only part of the graph; B captures the gradient arriving at each of them (a pre-hook)
-and keeps the graph. W re-runs each frontier node from that captured gradient, restricted to the
-weights below it, so the node now computes only its weight gradients; one engine call per frontier
-node, because a combined call would also flow from one frontier node down the input path into the
-next and count that one twice. Roots that reach no input go to W whole.
+into a weight-only part of the graph; B's engine call also captures the gradient arriving at each
+of them (as extra engine inputs, before the node's tensor hooks) and keeps the graph. W re-runs
+each frontier node from that captured gradient, restricted to the weights below it, so the node
+now computes only its weight gradients; one engine call per frontier node, because a combined
+call would also flow from one frontier node down the input path into the next and count that one
+twice. Roots that reach no input go to W whole.
 
 The split falls back to a full backward in B (W then has nothing left) when it cannot be exact: a
 frontier node that is a custom ``autograd.Function`` (its backward computes what it computes), or
@@ -72,8 +73,21 @@ class _Split:
 
 
 def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
-    """Classify the graph below ``roots``: input nodes, frontier nodes and the weights under them."""
-    input_nodes = {get_gradient_edge(x).node for x in inputs}
+    """Classify the graph below ``roots``: input nodes, frontier nodes and the weights under them.
+
+    Runs on every split B (each micro-batch has its own graph), so it is kept lean: a leaf input
+    is recognised by identity at its ``AccumulateGrad`` node (``get_gradient_edge`` would make a
+    view per input to find that node), and each node's children are listed once. A per-stage cache
+    would need a key that proves the graph is the same, i.e. a walk of every node, which costs
+    about half of this analysis.
+    """
+    input_nodes = set()  # grad_fn of non-leaf inputs
+    input_leaves = set()  # id() of leaf inputs, matched at their AccumulateGrad nodes
+    for x in inputs:
+        if x.grad_fn is None:
+            input_leaves.add(id(x))
+        else:
+            input_nodes.add(x.grad_fn)
     reaches_input: dict[Any, bool] = {}
     weights_under: dict[Any, frozenset] = {}  # for weight-only nodes: the leaves they reach
     children: dict[Any, list] = {}
@@ -89,12 +103,22 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
             if kids is None:
                 kids = children[node] = [c for c, _ in node.next_functions if c is not None]
             stack.append((node, True))
-            stack.extend((c, False) for c in kids if c not in reaches_input)
+            for c in kids:
+                if c not in reaches_input:
+                    stack.append((c, False))
             continue
         if node in input_nodes:
             reaches_input[node] = True
             continue
         kids = children[node]
+        if not kids:  # a leaf's AccumulateGrad (a weight, or an input), or a node with nothing below
+            v = getattr(node, "variable", None)
+            if v is not None and id(v) in input_leaves:
+                reaches_input[node] = True
+                continue
+            reaches_input[node] = False
+            weights_under[node] = empty if v is None else frozenset((node,))
+            continue
         hit = False
         for c in kids:
             if reaches_input[c]:
@@ -102,8 +126,7 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
                 break
         reaches_input[node] = hit
         if not hit:
-            leaves = frozenset((node,)) if not kids and hasattr(node, "variable") else empty
-            weights_under[node] = leaves.union(*(weights_under[c] for c in kids)) if kids else leaves
+            weights_under[node] = empty.union(*[weights_under[c] for c in kids])
     frontier = []
     for node, hit in reaches_input.items():
         if not hit or node in input_nodes:
@@ -114,6 +137,46 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
             if leaves:
                 frontier.append((node, leaves))
     return starts, reaches_input, frontier
+
+
+def _captured_by_engine(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                        req: Sequence[torch.Tensor], frontier: list) -> dict[Any, tuple]:
+    """B's engine call, which also captures the gradient arriving at each frontier node.
+
+    The frontier nodes' input slots are passed to the engine as extra ``inputs`` (one
+    ``GradientEdge`` per slot), so no hook is registered per B. The engine captures them before
+    the node's tensor hooks run, so W's re-run of the node applies those hooks exactly once (a
+    node pre-hook would see the gradient after them, and W would apply them a second time).
+    Returns the captures per node, and the inputs' gradients under the key None.
+    """
+    edges = []
+    slots = []
+    for node, _ in frontier:
+        n = len(node._input_metadata)
+        slots.append(n)
+        edges.extend(GradientEdge(node, k) for k in range(n))
+    got = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req) + tuple(edges), True, False)
+    out: dict[Any, tuple] = {None: got[:len(req)]}
+    pos = len(req)
+    for (node, _), n in zip(frontier, slots):
+        gs = got[pos:pos + n]
+        pos += n
+        if any(g is not None for g in gs):
+            out[node] = gs
+    return out
+
+
+def _captured_by_prehooks(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                          req: Sequence[torch.Tensor], frontier: list) -> dict[Any, tuple]:
+    """``_captured_by_engine`` for an autograd whose nodes lack ``_input_metadata``: node pre-hooks."""
+    captured: dict[Any, tuple] = {}
+    handles = [node.register_prehook(lambda g, node=node: captured.__setitem__(node, g)) for node, _ in frontier]
+    try:
+        captured[None] = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req), True, False)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
 
 
 def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -134,15 +197,11 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         seen |= leaves
     if fallback:
         return full_backward(roots, grads, inputs), None
-    captured: dict[Any, tuple] = {}
-    handles = []
-    for node, _ in frontier:
-        handles.append(node.register_prehook(lambda g, node=node: captured.__setitem__(node, g)))
-    try:
-        got = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req), True, False)
-    finally:
-        for h in handles:
-            h.remove()
+    if all(hasattr(node, "_input_metadata") for node, _ in frontier):
+        captured = _captured_by_engine(roots, grads, req, frontier)
+    else:  # an autograd without per-node input metadata: capture with node pre-hooks
+        captured = _captured_by_prehooks(roots, grads, req, frontier)
+    got = captured.pop(None)
     calls = []
     for node, leaves in frontier:
         gs = captured.get(node)

@@ -18,8 +18,7 @@ naming the rank, the op, the stage and the micro-batch (the original chained as 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,17 +29,19 @@ from .errors import PipelineError
 from .weight_grad import WeightGradStore
 
 
-def _as_outputs(out: Any, where: str) -> tuple[torch.Tensor, ...]:
-    """A stage's output as a tuple of tensors, or a clear error."""
+def _as_outputs(out: Any, stage: Stage, mb: int) -> tuple[torch.Tensor, ...]:
+    """A stage's output as a tuple of tensors, or a clear error (the message is built only then)."""
     if isinstance(out, torch.Tensor):
         return (out,)
     if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out) and len(out) > 0:
         return tuple(out)
     kinds = type(out).__name__ if not isinstance(out, (tuple, list)) else \
         f"{type(out).__name__} of {', '.join(type(t).__name__ for t in out) or 'nothing'}"
-    raise PipelineError(f"{where} returned a {kinds}; a stage must return a Tensor or a non-empty tuple/list of "
-                        "Tensors (they are what is sent to the next stage)")
+    raise PipelineError(f"{stage.name}, micro-batch {mb}, returned a {kinds}; a stage must return a Tensor or a "
+                        "non-empty tuple/list of Tensors (they are what is sent to the next stage)")
 
+
+_STORE_ONLY = ("store", None)  # pending W: only the store's group (the fast split, or nothing left by the generic one)
 
 CHEAP_PARAMETER_OWNERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)
 
@@ -97,44 +98,51 @@ class Stage:
         rank = "" if self.rank is None else f"rank {self.rank} "
         return f"{rank}{op}(chain {self.chain}, stage {self.stage}, mb {mb}) in {type(self.module).__name__}"
 
-    @contextmanager
-    def _context(self, op: str, mb: int) -> Iterator[None]:
-        """Re-raise an exception of the user's code with the rank, op, stage and micro-batch."""
-        try:
-            yield
-        except PipelineError:
-            raise  # already says where
-        except Exception as exc:
-            raise PipelineError(f"{self.where(op, mb)}: {type(exc).__name__}: {exc}") from exc
+    def _error(self, op: str, mb: int, exc: Exception) -> PipelineError:
+        """An exception of the user's code, re-raised with the rank, op, stage and micro-batch.
+
+        Each op catches with a plain try/except (a context manager per op costs more than the
+        smallest ops' bookkeeping); a ``PipelineError`` is re-raised as it is, it already says where.
+        """
+        return PipelineError(f"{self.where(op, mb)}: {type(exc).__name__}: {exc}")
 
     # ----- F ----------------------------------------------------------------------------------
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], criterion: Callable | None,
                 labels: Sequence[Any], training: bool, keep_outputs: bool) -> tuple[torch.Tensor, ...]:
-        with self._context("F", mb):
+        try:
             out = self.module(*inputs)
-        outs = _as_outputs(out, f"{self.name}, micro-batch {mb},")
-        self.finish_forward(mb, inputs, outs, None, criterion, labels, training, keep_outputs)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._error("F", mb, exc) from exc
+        outs = _as_outputs(out, self, mb)
+        self._keep(mb, inputs, outs, None, criterion, labels, training, keep_outputs)
         return outs
 
     def finish_forward(self, mb: int, inputs: Sequence[torch.Tensor], outs: Any, loss: torch.Tensor | None,
                        criterion: Callable | None, labels: Sequence[Any], training: bool,
                        keep_outputs: bool) -> None:
         """Keep what B needs (inputs, outputs or loss) after the F of ``mb`` produced ``outs``."""
-        outs = _as_outputs(outs, f"{self.name}, micro-batch {mb},")
+        self._keep(mb, inputs, _as_outputs(outs, self, mb), loss, criterion, labels, training, keep_outputs)
+
+    def _keep(self, mb: int, inputs: Sequence[torch.Tensor], outs: tuple[torch.Tensor, ...],
+              loss: torch.Tensor | None, criterion: Callable | None, labels: Sequence[Any], training: bool,
+              keep_outputs: bool) -> None:
+        """``finish_forward`` once ``outs`` is known to be a tuple of tensors."""
         if training:
             self.inputs[mb] = inputs
-        if self.is_last:
-            if loss is None and criterion is not None:
-                loss = self._loss(mb, criterion, outs, labels)
-            if loss is not None:
-                self.losses[mb] = loss
-            if training and loss is None:
-                raise PipelineError(f"{self.name} ends a chain but no criterion was given: a training step needs "
-                                    "criterion on the ranks that hold a chain's last stage")
-            if keep_outputs:
-                self.outputs[mb] = tuple(o.detach() for o in outs)
-        else:
+        if not self.is_last:
             self.outputs[mb] = outs
+            return
+        if loss is None and criterion is not None:
+            loss = self._loss(mb, criterion, outs, labels)
+        if loss is not None:
+            self.losses[mb] = loss
+        if training and loss is None:
+            raise PipelineError(f"{self.name} ends a chain but no criterion was given: a training step needs "
+                                "criterion on the ranks that hold a chain's last stage")
+        if keep_outputs:
+            self.outputs[mb] = tuple(o.detach() for o in outs)
 
     def _loss(self, mb: int, criterion: Callable, outs: Sequence[torch.Tensor], labels: Sequence[Any]) -> Any:
         """``criterion(*outputs, *labels)``; a TypeError with no labels given means they are missing."""
@@ -165,17 +173,21 @@ class Stage:
         """B (``split``: weight gradients left for W) or BW; keeps the input grads for sending."""
         roots, gs = self.roots(mb, grads)
         inputs = self.inputs[mb]
-        with self._context("B" if split else "BW", mb):
+        try:
             if not split:
                 input_grads = full_backward(roots, gs, inputs)
             elif self.fast:
                 with self.store.deferring((self.chain, self.stage, mb)):
                     input_grads = full_backward(roots, gs, inputs)
-                self.pending_w[mb] = ("store", None)
+                self.pending_w[mb] = _STORE_ONLY
             else:  # store active too: deferring layers queue their GEMMs if the split falls back
                 with self.store.deferring((self.chain, self.stage, mb)):
                     input_grads, w = split_backward(roots, gs, inputs)
-                self.pending_w[mb] = ("store", w)
+                self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            raise self._error("B" if split else "BW", mb, exc) from exc
         self.after_backward(mb, input_grads, split)
 
     def after_backward(self, mb: int, input_grads: list, split: bool) -> None:
@@ -189,13 +201,15 @@ class Stage:
     def weight(self, mb: int) -> None:
         """W: the weight gradients B left behind (the store's closures and/or the generic split's rest)."""
         w = self.pending_w.pop(mb, None)
-        with self._context("W", mb):
-            if w == "store":  # set by the executor's overlapped F&B
-                w = ("store", None)
-            if w is not None:
-                self.store.run((self.chain, self.stage, mb))
-                if w[1] is not None:
+        if w is not None:
+            try:
+                self.store.run((self.chain, self.stage, mb))  # "store" alone: set by the executor's overlapped F&B
+                if type(w) is tuple and w[1] is not None:
                     w[1].run()
+            except PipelineError:
+                raise
+            except Exception as exc:
+                raise self._error("W", mb, exc) from exc
         self._drop(mb)
 
     def _drop(self, mb: int) -> None:
