@@ -9,7 +9,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..schedules import Costs, ScheduleError, build_schedule, list_schedules, lower, simulate, validate_program
+from ..schedules import (
+    Costs,
+    ScheduleError,
+    build_schedule,
+    list_schedules,
+    lower,
+    schedule_info,
+    simulate,
+    validate_program,
+)
 from ..schedules.ir import FB, Op, Schedule
 from ..schedules.simulate import SimResult
 
@@ -143,7 +152,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for col in ("schedule", "makespan", "bubble rate", "peak activations", "stages", "params per rank", "devices"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     for label, schedule, res in sorted(rows, key=lambda x: (x[2].makespan, _peak_memory(x[1], x[2]))):
-        info_copies = 2 if schedule.name == "dualpipe" else 1
+        info_copies = schedule_info(schedule.name).param_copies
         mark = " ★" if res.makespan == best else ""
         table.add_row(f"{label}{mark}", f"{res.makespan:g}", f"{100 * res.bubble_rate:.2f} %",
                       f"{_peak_memory(schedule, res):g}", str(schedule.num_stages()),

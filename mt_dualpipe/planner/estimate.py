@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedules import Costs, build_schedule, schedule_info
+from ..schedules import Costs, build_schedule
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import compute_parts
 from ..schedules.simulate import run_schedule
@@ -162,12 +162,13 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
 def num_stages(strategy: Strategy) -> int:
     if strategy.schedule == "auto":
         return 2 * strategy.pp if strategy.placement == "v" else strategy.pp
-    info = schedule_info(strategy.schedule)
-    if strategy.schedule == "interleaved-1f1b":
-        return strategy.pp * strategy.virtual_stages
-    if info.chunks_per_rank == 2 and strategy.schedule != "dualpipe":
-        return 2 * strategy.pp  # V placement: 2P half-size stages
-    return strategy.pp
+    # read it off the schedule itself (V shapes: 2P half-size stages; interleaved: vP)
+    opts = {"virtual_stages": strategy.virtual_stages} if strategy.schedule == "interleaved-1f1b" else {}
+    P = strategy.pp
+    try:
+        return build_schedule(strategy.schedule, P, 2 * P * opts.get("virtual_stages", 1), **opts).num_stages()
+    except ScheduleError:
+        return P
 
 
 def a2a_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: int) -> float:

@@ -88,7 +88,7 @@ def bidirectional_order(own: _Stream, other: _Stream, h: int, n: int, per_stream
 
 
 @register("dualpipe", "DeepSeek-V3's bidirectional pipeline: two mirrored chains overlapped F&B",
-          "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2, chunks_per_rank=2)
+          "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2)
 def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if P % 2:
@@ -111,7 +111,7 @@ def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 @register("dualpipev", "DualPipe cut in half: one chain of 2P stages in a V, overlapped F&B",
-          "M >= 2P", chunks_per_rank=2)
+          "M >= 2P")
 def build_dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P:

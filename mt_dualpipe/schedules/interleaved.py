@@ -44,7 +44,7 @@ def interleaved_order(rank: int, P: int, M: int, v: int) -> list[Op]:
 
 
 @register("interleaved-1f1b", "Megatron's interleaved 1F1B: v chunks per rank round-robin, bubble / v",
-          "virtual_stages (v) >= 2; M a multiple of P", chunks_per_rank=2)
+          "virtual_stages (v) >= 2; M a multiple of P")
 def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     P, M, v = num_ranks, num_microbatches, virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 2:

@@ -21,8 +21,7 @@ class ScheduleInfo:
     description: str
     constraints: str
     build: Callable[..., Schedule]
-    devices_per_stage_copy: int = 1  # 2 for dualpipe: every stage's parameters live on two ranks
-    chunks_per_rank: int = 1
+    param_copies: int = 1  # 2 for dualpipe: every stage's parameters live on two ranks
 
     @property
     def options(self) -> list[str]:
@@ -33,10 +32,10 @@ class ScheduleInfo:
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
-def register(name: str, description: str, constraints: str, *, param_copies: int = 1,
-             chunks_per_rank: int = 1) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
+def register(name: str, description: str, constraints: str, *,
+             param_copies: int = 1) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
     def deco(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        _REGISTRY[name] = ScheduleInfo(name, description, constraints, fn, param_copies, chunks_per_rank)
+        _REGISTRY[name] = ScheduleInfo(name, description, constraints, fn, param_copies)
         return fn
     return deco
 

@@ -115,7 +115,7 @@ def zbv_order(rank: int, P: int, M: int) -> list[Op]:
 
 
 @register("zbv", "Zero Bubble V: two chunks per rank in a V, B/W split, zero span bubble at peak 2P chunks",
-          "M >= 2P-1", chunks_per_rank=2)
+          "M >= 2P-1")
 def build_zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P - 1:
