@@ -41,24 +41,30 @@ def lower(schedule: Schedule, check: bool = True) -> Program:
     ends: list[list[float]] = [[] for _ in range(P)]
     run_schedule(schedule, Costs(1.0, 1.0, 1.0), record=False, starts_out=starts, ends_out=ends)
 
-    # one entry per transfer: (key..., send, recv, producer rank, slot of the send, peer)
-    transfers = []
+    # per (chain, stage) = c * S + s: the rank of the next / previous stage when it is another rank, else -1
+    S = len(placement[0])
+    nxt = [chain[s + 1] if s + 1 < S and chain[s + 1] != chain[s] else -1 for chain in placement for s in range(S)]
+    prv = [chain[s - 1] if s > 0 and chain[s - 1] != chain[s] else -1 for chain in placement for s in range(S)]
+
+    # one entry per transfer: (end of its producer, producer rank, index, part, send, recv, peer)
+    transfers: list[tuple] = []
     append = transfers.append
     for r, ops in enumerate(schedule.ranks):
         ends_r = ends[r]
         for i, item in enumerate(ops):
-            for part_no, op in enumerate((item.f, item.b) if type(item) is FB else (item,)):
-                kind, c, s, m = op
-                chain = placement[c]
+            parts = (item.f, item.b) if type(item) is FB else (item,)
+            for part_no, (kind, c, s, m) in enumerate(parts):
+                cs = c * S + s
                 if kind == "F":
-                    if s + 1 < len(chain) and chain[s + 1] != r:
-                        peer = chain[s + 1]
+                    peer = nxt[cs]
+                    if peer >= 0:
                         append((ends_r[i], r, i, part_no, Comm("SEND_F", peer, c, s, m),
                                 Comm("RECV_F", r, c, s + 1, m), peer))
-                elif kind != "W" and s > 0 and chain[s - 1] != r:
-                    peer = chain[s - 1]
-                    append((ends_r[i], r, i, part_no, Comm("SEND_B", peer, c, s, m),
-                            Comm("RECV_B", r, c, s - 1, m), peer))
+                elif kind != "W":
+                    peer = prv[cs]
+                    if peer >= 0:
+                        append((ends_r[i], r, i, part_no, Comm("SEND_B", peer, c, s, m),
+                                Comm("RECV_B", r, c, s - 1, m), peer))
     transfers.sort()  # (end, rank, index, part) is unique: the Comm fields are never compared
 
     # slots[r][j]: comm ops posted right before rank r's op j (j == len: after the last op)
