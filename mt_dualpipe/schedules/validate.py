@@ -152,7 +152,13 @@ def validate_program(program: Program) -> None:
     send_batch = [-1] * nkeys  # batch index (on the producing rank) holding each send
     recv_batch = [-1] * nkeys
     batch_keys: list[list[list[tuple[int, int, bool]]]] = []  # per rank, per batch: (key, peer, is send)
-    channels: dict[int, tuple[list[int], list[int]]] = {}
+    # per channel src * P + dst: the keys sent, the keys received, in program order
+    channels: list[tuple[list[int], list[int]]] = [([], []) for _ in range(P * P)]
+    # comm kind -> (offset of the producing stage, offset of the peer's stage, data bit, is a send)
+    shapes = {"SEND_F": (0, 1, 0, True), "RECV_F": (-1, -1, 0, False),
+              "SEND_B": (0, -1, 1, True), "RECV_B": (1, 1, 1, False)}
+    chain_of = view.microbatch_chain
+    C = len(placement)
     for r, prog in enumerate(progs):
         keys_r: list[list[tuple[int, int, bool]]] = []
         for i, ins in enumerate(prog):
@@ -164,32 +170,27 @@ def validate_program(program: Program) -> None:
             keys: list[tuple[int, int, bool]] = []
             for cm in ins.ops:
                 kind, peer, c, s, m = cm
-                if kind == "SEND_F":
-                    ps, nxt, bit, is_send = s, s + 1, 0, True
-                elif kind == "RECV_F":
-                    ps, nxt, bit, is_send = s - 1, s - 1, 0, False
-                elif kind == "SEND_B":
-                    ps, nxt, bit, is_send = s, s - 1, 1, True
-                elif kind == "RECV_B":
-                    ps, nxt, bit, is_send = s + 1, s + 1, 1, False
-                else:
+                shape = shapes.get(kind)
+                if shape is None:
                     raise ScheduleError(f"rank {r} instruction {i} {cm}: unknown comm kind; "
                                         "allowed SEND_F, RECV_F, SEND_B, RECV_B")
-                if not (0 <= c < len(placement) and 0 <= s < S and 0 <= nxt < S and 0 <= m < M) \
-                        or placement[c][s] != r or placement[c][nxt] != peer or peer == r \
-                        or view.microbatch_chain[m] != c:
-                    raise ScheduleError(_bad_comm(r, i, cm, placement, view.microbatch_chain, S, M))
-                key = 2 * ((c * S + ps) * M + m) + bit
-                book = send_batch if is_send else recv_batch
-                if book[key] >= 0:
-                    raise ScheduleError(f"rank {r} instruction {i} {cm}: duplicate {'send' if is_send else 'receive'}")
-                book[key] = b
+                dps, dnx, bit, is_send = shape
+                nxt = s + dnx
+                if not (0 <= c < C and 0 <= s < S and 0 <= nxt < S and 0 <= m < M) \
+                        or placement[c][s] != r or placement[c][nxt] != peer or peer == r or chain_of[m] != c:
+                    raise ScheduleError(_bad_comm(r, i, cm, placement, chain_of, S, M))
+                key = 2 * ((c * S + s + dps) * M + m) + bit
+                if is_send:
+                    if send_batch[key] >= 0:
+                        raise ScheduleError(f"rank {r} instruction {i} {cm}: duplicate send")
+                    send_batch[key] = b
+                    channels[r * P + peer][0].append(key)
+                else:
+                    if recv_batch[key] >= 0:
+                        raise ScheduleError(f"rank {r} instruction {i} {cm}: duplicate receive")
+                    recv_batch[key] = b
+                    channels[peer * P + r][1].append(key)
                 keys.append((key, peer, is_send))
-                ch = (r * P + peer) if is_send else (peer * P + r)
-                pair = channels.get(ch)
-                if pair is None:
-                    pair = channels[ch] = ([], [])
-                pair[0 if is_send else 1].append(key)
             keys_r.append(keys)
         batch_keys.append(keys_r)
 
@@ -208,9 +209,12 @@ def validate_program(program: Program) -> None:
                     if recv_batch[key] < 0:
                         raise ScheduleError(f"no receive for {_data_name(key, S, M)} on rank "
                                             f"{chain[s + 1] if key % 2 == 0 else chain[s]}")
-    for ch, (sends, recvs) in channels.items():
+    for ch, (sends, recvs) in enumerate(channels):
         if sends != recvs:
-            k = next(k for k, (a, b) in enumerate(zip(sends, recvs)) if a != b)
+            k = next((k for k, (a, b) in enumerate(zip(sends, recvs)) if a != b), min(len(sends), len(recvs)))
+            if k == min(len(sends), len(recvs)):
+                src, dst = divmod(ch, P)
+                raise ScheduleError(f"channel rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
             src, dst = divmod(ch, P)
             raise ScheduleError(
                 f"channel rank {src} -> rank {dst}: send #{k} carries {_data_name(sends[k], S, M)} but receive "
