@@ -2,6 +2,7 @@
 
     python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, 1-2 minutes on 2 cores
     python examples/deepseek_v3_repro.py --inject-nan 25      # watch a NaN get caught and rewound
+    python examples/deepseek_v3_repro.py --ranks 2 --ep 2 --inject-error 5 --timeout 10   # an exception, rewound
     python examples/deepseek_v3_repro.py --checkpoint-dir ckpt/   # async checkpoints; rerun to resume
     python examples/deepseek_v3_repro.py --schedule dualpipev --ranks 2 --steps 20 --summary out.json
     torchrun --nproc-per-node 4 examples/deepseek_v3_repro.py --schedule zbv
@@ -14,7 +15,10 @@ micro-batch's compute inside DualPipe's F&B units).
 Each rank builds the same seeded model, keeps only its stages, and trains with AdamW on a
 synthetic task (or ``--corpus FILE``, any local text, byte-level). Every step runs under
 ``mt_dualpipe.resilience.Rewind``: a NaN/inf or an exception on any rank is agreed on by all ranks,
-which go back to the last snapshot (every ``--snapshot-every`` steps) and skip the batch.
+which go back to the last snapshot (every ``--snapshot-every`` steps) and skip the batch. Every
+point-to-point and expert all-to-all wait is bounded by ``--timeout`` seconds, so a rank whose partner
+failed mid-step stops waiting and joins the agreement; after an exception every rank rebuilds its
+pipeline (and, with ``--ep`` > 1, the expert-parallel groups) on fresh process groups.
 A rich progress bar shows the loss, the MTP loss, the expert-load balance (max violation:
 max load / mean load − 1), tokens/s and the rewinds; the last step is timed per instruction, and
 the summary compares its measured bubble rate with the simulator's for the same schedule and the
@@ -44,6 +48,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
     DeepSeekV3Model,
     criterion_for,
+    expert_parallel,
     max_violation,
     parse_layout,
     stages_for_rank,
@@ -79,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--inject-nan", type=int, default=None, metavar="STEP",
                    help="demo: NaN in the forward output of the last rank at step STEP (0-based); Rewind\n"
                         "catches it, rewinds to the last snapshot and skips that batch")
+    p.add_argument("--inject-error", type=int, default=None, metavar="STEP",
+                   help="demo: an exception in the forward of the last rank's first module at step STEP\n"
+                        "(0-based); the other ranks stop waiting for it after --timeout seconds, then every\n"
+                        "rank rebuilds its communication, rewinds to the last snapshot and skips that batch")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="bound of every pipeline point-to-point and expert all-to-all wait, default 300")
     p.add_argument("--summary", default=None, help="write the run summary as JSON here")
     p.add_argument("--timeline", default=None, help="save the last step's measured timeline JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -93,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--inject-nan demonstrates Rewind; drop --no-rewind")
         if not 0 <= args.inject_nan < args.steps:
             p.error(f"--inject-nan STEP must be a step of this run, 0..{args.steps - 1}, got {args.inject_nan}")
+    if args.inject_error is not None:
+        if args.no_rewind:
+            p.error("--inject-error demonstrates Rewind; drop --no-rewind")
+        if not 0 <= args.inject_error < args.steps:
+            p.error(f"--inject-error STEP must be a step of this run, 0..{args.steps - 1}, got {args.inject_error}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be positive, got {args.timeout:g}")
     if args.checkpoint_dir and args.no_rewind:
         p.error("--checkpoint-dir is written by Rewind; drop --no-rewind")
     return args
@@ -115,7 +133,8 @@ class RankSetup:
 
 
 def process_groups(world: int, ep: int, rank: int):
-    """Global rank g is pipeline rank g // ep of expert-parallel replica g % ep: (pp group, ep group)."""
+    """Global rank g is pipeline rank g // ep of expert-parallel replica g % ep: (pp group, ep group).
+    Collective: every rank creates all of them, in the same order (the rebuild after a fault too)."""
     pp_groups = pipeline_groups(world, ep)
     ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(world // ep)]
     return pp_groups[rank % ep], (ep_groups[rank // ep] if ep > 1 else None)
@@ -156,12 +175,13 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
             convert_to_fp8(m)
         device = next(mods[0].parameters()).device
         fp8_backend, fp8_gemm = backend_summary(device), resolve_gemm(device)[0]
+    expert_parallel.set_timeout(args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
     if args.schedule == "dualpipe":
-        pipe = DualPipe(tuple(mods), process_group=pp_group)
+        pipe = DualPipe(tuple(mods), process_group=pp_group, timeout=args.timeout)
     elif args.schedule == "dualpipev":
-        pipe = DualPipeV(tuple(mods), process_group=pp_group)
+        pipe = DualPipeV(tuple(mods), process_group=pp_group, timeout=args.timeout)
     else:
-        pipe = Pipeline(mods, sched, pp_group)
+        pipe = Pipeline(mods, sched, pp_group, timeout=args.timeout)
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
     return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm)
 
@@ -186,6 +206,7 @@ def start_line(args: argparse.Namespace, run: RankSetup, world: int) -> str:
     sched = run.schedule
     ep = f" x ep {args.ep}" if args.ep > 1 else ""
     fault = f", NaN injected at step {args.inject_nan}" if args.inject_nan is not None else ""
+    fault += f", exception injected at step {args.inject_error}" if args.inject_error is not None else ""
     rewind = "off" if args.no_rewind else f"snapshot every {args.snapshot_every} steps{fault}"
     layout = layout_string(run.config, sched.num_stages(0), args.layout)
     return (f"{args.schedule} · {args.ranks} ranks{ep} · {sched.num_microbatches} micro-batches of "
@@ -237,10 +258,15 @@ def make_stepper(args: argparse.Namespace, run: RankSetup, rank: int, world: int
     if args.inject_nan is not None:
         faults = FaultInjector(rank=rank)
         faults.nan(rank=world - 1, step=args.inject_nan)  # forward output of the last rank's first module
+    if args.inject_error is not None:
+        faults = faults or FaultInjector(rank=rank)
+        faults.raise_in(rank=world - 1, step=args.inject_error)  # InjectedFault after that module's forward
     rebuild: Any = "auto"
-    if args.ep > 1:  # several pipeline groups: every rank creates all of them again, in the same order
-        def rebuild(old):
-            return rebuild_pipeline(old, group=pipeline_groups(world, args.ep)[rank % args.ep])
+    if args.ep > 1:  # several pipeline groups and the EP groups: every rank creates all of them again, in the
+        def rebuild(old):  # same order; on gloo a timed-out all-to-all leaves its EP group out of step
+            pp_group, ep_group = process_groups(world, args.ep, rank)
+            expert_parallel.set_ep_group(run.mods, ep_group)
+            return rebuild_pipeline(old, group=pp_group)
     # sync_mirrored=False: sync_replicas (in grad_hook) already sums the mirrored stages' gradients
     return Rewind(run.pipe, run.opt, num_chunks=run.schedule.num_microbatches, criterion=criterion, modules=run.mods,
                   snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, sync_mirrored=False,

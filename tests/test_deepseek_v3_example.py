@@ -1,6 +1,7 @@
 """The DeepSeek-V3 example end to end: short runs spawn their ranks, train and write the summary
 (--no-rewind, --fp8); a rerun with --checkpoint-dir resumes; a NaN injected at one step is rewound
-and its batch skipped, and the steps before it match the clean run bit for bit."""
+and its batch skipped, and the steps before it match the clean run bit for bit; with expert
+parallelism an exception on one rank is rewound too (the EP all-to-all times out, the groups are rebuilt)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,23 @@ def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
     assert data["loss"][4] != clean_loss[4]
 
 
+def test_inject_error_with_expert_parallelism_rebuilds_and_rewinds(tmp_path):
+    """An exception on one rank of a 2 x ep 2 run: its EP partner's all-to-all times out (instead of blocking
+    forever), every rank rebuilds its pipeline and EP groups, rewinds once and finishes the run."""
+    data, out = run_example("--ep", "2", "--steps", "5", "--snapshot-every", "3", "--inject-error", "4",
+                            "--timeout", "5", summary=tmp_path / "s.json")
+    assert data["ep"] == 2 and data["rewinds"] == 1 and data["skipped_batches"] == [4]
+    (fault,) = data["faults"]
+    assert (fault["step"], fault["position"], fault["rewound_to"], fault["skipped"]) == (4, 4, 3, True)
+    assert fault["kind"] == "exception" and fault["ranks"] == [0, 1, 2, 3]
+    assert "rank 3: InjectedFault: injected fault (rank 3, step 4" in fault["cause"]
+    # rank 3's EP partner stopped waiting for it in an expert all-to-all, with a timeout error naming it
+    assert "rank 2: PipelineTimeoutError: rank 2 (EP rank 0 of an EP group of 2): waited more than 5s for the " \
+           "expert all-to-all (" in fault["cause"]
+    assert "rewound to step 3, batch 4 skipped" in out
+    assert len(data["loss"]) == 5 and all(2.0 < v < 10.0 for v in data["loss"])
+
+
 def _example_module():
     spec = importlib.util.spec_from_file_location("deepseek_v3_repro", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -97,6 +115,9 @@ def _example_module():
 @pytest.mark.parametrize("argv, message", [
     (["--inject-nan", "3", "--no-rewind"], "--inject-nan demonstrates Rewind; drop --no-rewind"),
     (["--steps", "5", "--inject-nan", "5"], "--inject-nan STEP must be a step of this run, 0..4, got 5"),
+    (["--inject-error", "3", "--no-rewind"], "--inject-error demonstrates Rewind; drop --no-rewind"),
+    (["--steps", "5", "--inject-error", "5"], "--inject-error STEP must be a step of this run, 0..4, got 5"),
+    (["--timeout", "0"], "--timeout must be positive, got 0"),
     (["--snapshot-every", "0"], "--snapshot-every must be >= 1, got 0"),
     (["--checkpoint-dir", "x", "--no-rewind"], "--checkpoint-dir is written by Rewind; drop --no-rewind"),
 ])

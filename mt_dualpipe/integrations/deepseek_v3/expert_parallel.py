@@ -8,15 +8,62 @@ which is what makes ep=N results match ep=1. Combine is the exact reverse.
 
 ``all_to_all`` is differentiable (its backward is the reverse all-to-all); ``start_all_to_all``
 is the non-blocking form used by the overlapped forward/backward. Both work on gloo.
+
+Every wait is bounded by ``timeout()`` seconds (``set_timeout`` changes it; default 300 s, the
+pipeline's default): an all-to-all whose partner rank failed or hangs raises
+``PipelineTimeoutError`` naming the rank, the EP group size and the exchange (dispatch counts,
+dispatch, combine, or the backward of one) instead of blocking forever, so a fault on one rank
+reaches ``Rewind``'s agreement on every rank. On gloo a timed-out collective leaves the group out
+of step (the late partner's next all-to-all matches the abandoned one): after such a failure give
+the MoE layers a fresh EP group (``set_ep_group``), as the example's rebuild does.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+
+from ...runtime.errors import PipelineCommError, PipelineTimeoutError
+
+DEFAULT_TIMEOUT = 300.0
+_timeout = DEFAULT_TIMEOUT
+
+
+def set_timeout(seconds: float) -> None:
+    """Bound every expert all-to-all wait of this process to ``seconds`` (keep it at most the pipeline's
+    timeout, so ``Rewind``'s agreement, which waits the pipeline's timeout + 60 s, outlasts it)."""
+    global _timeout
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"the expert all-to-all timeout must be positive, got {seconds!r}")
+    _timeout = seconds
+
+
+def timeout() -> float:
+    """The current bound, in seconds, of an expert all-to-all wait."""
+    return _timeout
+
+
+def set_ep_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Point every MoE layer under ``module`` (a module or a list of stage modules) at ``group``, e.g. a
+    fresh group over the same ranks after a failed all-to-all; returns how many layers changed. The
+    group must have the size the experts were sharded for."""
+    from .moe import MoE
+
+    mods = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    layers = [m for m in mods.modules() if isinstance(m, MoE)]
+    for m in layers:
+        if ep_size(group) != ep_size(m.ep_group):
+            raise ValueError(f"the new EP group has {ep_size(group)} ranks, the experts are sharded over "
+                             f"{ep_size(m.ep_group)}")
+        m.ep_group = group
+    return len(layers)
 
 
 def ep_size(group: dist.ProcessGroup | None) -> int:
@@ -51,7 +98,8 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
                             counts.tolist(), None, None)
     local = n_experts // size
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # [src rank, local expert]
+    work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)  # [src rank, local expert]
+    _wait(work, group, "dispatch counts")
     per_src = recv_counts.view(size, local)
     recv_splits = per_src.sum(1).tolist()
     starts = torch.cumsum(torch.cat([per_src.new_zeros(1), per_src.flatten()]), 0)[:-1].view(size, local)
@@ -62,40 +110,72 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
                         recv_splits, per_src.sum(0).tolist(), regroup, torch.argsort(regroup))
 
 
+def _error(group: dist.ProcessGroup, what: str, exc: BaseException | None) -> PipelineCommError:
+    text = str(exc).strip().splitlines()[0][:200] if exc is not None and str(exc).strip() else ""
+    timed_out = exc is None or "imed out" in text
+    how = f"waited more than {_timeout:g}s for" if timed_out else "failed in"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (PipelineTimeoutError if timed_out else PipelineCommError)(
+        f"rank {rank} (EP rank {ep_rank(group)} of an EP group of {ep_size(group)}): {how} the expert all-to-all "
+        f"({what}); an EP partner is hung, failed or runs a different program"
+        + (f" ({text})" if text else ""))
+
+
+def _wait(work: Any, group: dist.ProcessGroup, what: str) -> None:
+    """Wait for an all-to-all within the timeout; a failure becomes ``PipelineTimeoutError`` / ``PipelineCommError``."""
+    try:
+        ok = work.wait(datetime.timedelta(seconds=_timeout))
+    except RuntimeError as exc:  # gloo: RuntimeError("... Operation timed out!") or a closed connection
+        raise _error(group, what, exc) from None
+    if ok is False:
+        raise _error(group, what, None)
+
+
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup,
-              async_op: bool) -> tuple[torch.Tensor, object]:
+              what: str) -> Callable[[], torch.Tensor]:
+    """Post the all-to-all; the returned callable waits (bounded) and gives the received rows."""
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group, async_op=async_op)
-    return out, work
+    try:
+        work = dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise _error(group, what, exc) from None
+
+    def wait() -> torch.Tensor:
+        _wait(work, group, what)
+        return out
+
+    return wait
+
+
+def backward_name(what: str) -> str:
+    return f"backward of the {what}"
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup):
-        ctx.out_rows, ctx.in_rows, ctx.group = out_rows, in_rows, group
-        return _exchange(x, out_rows, in_rows, group, async_op=False)[0]
+    def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup,
+                what: str):
+        ctx.out_rows, ctx.in_rows, ctx.group, ctx.what = out_rows, in_rows, group, what
+        return _exchange(x, out_rows, in_rows, group, what)()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.in_rows, ctx.out_rows, ctx.group, async_op=False)[0], None, None, None
+        return _exchange(grad, ctx.in_rows, ctx.out_rows, ctx.group, backward_name(ctx.what))(), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup | None):
-    """Differentiable all-to-all of rows: send ``in_rows[r]`` rows to rank r, get ``out_rows[r]`` back."""
+def all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup | None,
+               what: str = "exchange"):
+    """Differentiable all-to-all of rows: send ``in_rows[r]`` rows to rank r, get ``out_rows[r]`` back.
+    ``what`` ("dispatch", "combine") names it in a timeout error."""
     if ep_size(group) == 1:
         return x
-    return _AllToAll.apply(x, out_rows, in_rows, group)
+    return _AllToAll.apply(x, out_rows, in_rows, group, what)
 
 
 def start_all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
-                     group: dist.ProcessGroup | None) -> Callable[[], torch.Tensor]:
-    """Post a non-blocking all-to-all (no autograd); the returned callable waits and gives the rows."""
+                     group: dist.ProcessGroup | None, what: str = "exchange") -> Callable[[], torch.Tensor]:
+    """Post a non-blocking all-to-all (no autograd); the returned callable waits (at most ``timeout()``
+    seconds) and gives the rows. ``what`` names it in a timeout error."""
     if ep_size(group) == 1:
         return lambda: x
-    out, work = _exchange(x, out_rows, in_rows, group, async_op=True)
-
-    def wait() -> torch.Tensor:
-        work.wait()
-        return out
-
-    return wait
+    return _exchange(x, out_rows, in_rows, group, what)

@@ -161,9 +161,9 @@ class MoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, _, plan, rows = self.route(h)
-        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group)  # dispatch
+        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch")
         rows = self.run_experts(rows, plan)
-        rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group)  # combine
+        rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group, "combine")
         return self.combine(rows, weights, plan, self.shared(h), h.shape)
 
 

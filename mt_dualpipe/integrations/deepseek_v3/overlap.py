@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .expert_parallel import ep_size, start_all_to_all
+from .expert_parallel import backward_name, ep_size, start_all_to_all
 
 Steps = Generator[None, None, Any]
 
@@ -67,17 +67,19 @@ class Tape:
             self.records.append(("compute", pairs))
         return leaves[0] if single else leaves
 
-    def exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any) -> Callable[[], Any]:
-        """Post an all-to-all of ``x``'s rows; the returned callable waits and gives the received leaf."""
+    def exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any,
+                 what: str = "exchange") -> Callable[[], Any]:
+        """Post an all-to-all of ``x``'s rows; the returned callable waits and gives the received leaf.
+        ``what`` ("dispatch", "combine") names it in a timeout error."""
         if ep_size(group) == 1:
             return lambda: x
-        wait = start_all_to_all(x.detach(), out_rows, in_rows, group)
+        wait = start_all_to_all(x.detach(), out_rows, in_rows, group, what)
 
         def done() -> torch.Tensor:
             y = wait()
             if self.record and x.requires_grad:
                 y.requires_grad_()
-                self.records.append(("comm", x, y, out_rows, in_rows, group))
+                self.records.append(("comm", x, y, out_rows, in_rows, group, what))
             return y
 
         return done
@@ -101,9 +103,9 @@ class Tape:
                 if roots:
                     torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
             else:
-                _, x, y, out_rows, in_rows, group = rec
+                _, x, y, out_rows, in_rows, group, what = rec
                 g = y.grad if y.grad is not None else torch.zeros_like(y)
-                wait = start_all_to_all(g, in_rows, out_rows, group)
+                wait = start_all_to_all(g, in_rows, out_rows, group, backward_name(what))
                 yield
                 _add_grad(x, wait())
         input_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in self.entries]

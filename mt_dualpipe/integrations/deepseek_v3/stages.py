@@ -187,10 +187,10 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
         return x1, h, weights, rows, plan
 
     x1, h, weights, rows, plan = tape.run(attention_and_route, x)
-    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group)  # dispatch
+    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch")
     yield
     rows, shared = tape.run(lambda r, h: (moe.run_experts(r, plan), moe.shared(h)), wait(), h)
-    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group)  # combine
+    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group, "combine")
     yield
     return tape.run(lambda r, w, s, x1: x1 + moe.combine(r, w, plan, s, x1.shape), wait(), weights, shared, x1)
 
