@@ -16,30 +16,18 @@ from dist_utils import run_ranks
 from test_runtime_models import cos_diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from toy_pipeline import LinearFunc  # noqa: E402  (the examples' stage: deferred linears + F&B hook)
+from toy_pipeline import (  # noqa: E402
+    LinearFunc,  # noqa: E402  (the examples' stage: deferred linears + F&B hook)
+    criterion,
+    ref_step,
+)
 from toy_pipeline import PipelineStage as _ExampleStage  # noqa: E402
-from toy_pipeline import criterion as _example_criterion  # noqa: E402
 
 H, ROWS = 8, 2
 
 
 def PipelineStage() -> _ExampleStage:  # noqa: N802 (a stage of width H, as the examples build it)
     return _ExampleStage(H)
-
-
-def criterion(output, target):
-    return _example_criterion(output, target)
-
-
-def ref_step(x, labels, model, chunks):
-    ys, losses = [], []
-    for mx, ml in zip(x.chunk(chunks), labels.chunk(chunks)):
-        y = model(mx)
-        loss = criterion(y, ml)
-        loss.backward()
-        ys.append(y.detach())
-        losses.append(loss.detach())
-    return torch.stack(losses), torch.cat(ys)
 
 
 def _dualpipe(rank, P, num_chunks):
@@ -49,7 +37,7 @@ def _dualpipe(rank, P, num_chunks):
     full = nn.Sequential(*[PipelineStage() for _ in range(P)]).double()
     full_x = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
     full_l = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
-    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks)
+    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks, criterion)
     local_full = nn.Sequential(full[rank], full[P - 1 - rank])
     local = copy.deepcopy(local_full)
     for p in local.parameters():
@@ -89,7 +77,7 @@ def _dualpipev(rank, P, num_chunks):
     full = nn.Sequential(*[PipelineStage() for _ in range(2 * P)]).double()
     full_x = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
     full_l = torch.randn(num_chunks * ROWS, H, dtype=torch.float64)
-    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks)
+    loss_ref, out_ref = ref_step(full_x, full_l, full, num_chunks, criterion)
     local_full = nn.Sequential(full[rank], full[2 * P - 1 - rank])
     local = copy.deepcopy(local_full)
     for p in local.parameters():

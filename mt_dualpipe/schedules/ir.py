@@ -216,6 +216,12 @@ class Program:
     def compute_ops(self, rank: int) -> list[ComputeItem]:
         return [i for i in self.ranks[rank] if type(i) is not CommBatch]
 
+    def compute_schedule(self) -> Schedule:
+        """The program without its communication: what simulation and compute validation read."""
+        s = self.schedule
+        return Schedule(s.name, s.num_ranks, s.num_microbatches, s.placement, s.microbatch_chain,
+                        [self.compute_ops(r) for r in range(s.num_ranks)], s.meta)
+
     def num_comm_ops(self) -> int:
         return sum(len(i.ops) for ops in self.ranks for i in ops if type(i) is CommBatch)
 

@@ -297,10 +297,7 @@ def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None
     """Simulate a schedule or a lowered program (its compute ops) under ``costs``."""
     schedule = schedule_or_program
     if isinstance(schedule_or_program, Program):
-        sched = schedule_or_program.schedule
-        schedule = Schedule(sched.name, sched.num_ranks, sched.num_microbatches, sched.placement,
-                            sched.microbatch_chain,
-                            [schedule_or_program.compute_ops(r) for r in range(sched.num_ranks)], sched.meta)
+        schedule = schedule_or_program.compute_schedule()
     try:
         return run_schedule(schedule, costs)
     except (IndexError, KeyError, TypeError, ValueError) as exc:

@@ -124,12 +124,6 @@ def validate(schedule: Schedule | Program) -> None:
     run_schedule(schedule, record=False)  # raises on deadlock, naming the waiting ops
 
 
-def _compute_view(program: Program) -> Schedule:
-    s = program.schedule
-    return Schedule(s.name, s.num_ranks, s.num_microbatches, s.placement, s.microbatch_chain,
-                    [program.compute_ops(r) for r in range(s.num_ranks)], s.meta)
-
-
 def _data_name(key: int, S: int, M: int) -> str:
     u, is_b = divmod(key, 2)
     cs, m = divmod(u, M)
@@ -140,7 +134,7 @@ def _data_name(key: int, S: int, M: int) -> str:
 @gc_paused
 def validate_program(program: Program) -> None:
     """Validate a lowered program: compute ops, send/recv matching, and rendezvous deadlock-freedom."""
-    view = _compute_view(program)
+    view = program.compute_schedule()
     _check_structure(view)
     P, M = view.num_ranks, view.num_microbatches
     placement = view.placement
