@@ -120,7 +120,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runtime_errors(tmp_path_factory) -> list[dict]:
-    from test_resilience_dist import _launch
+    from tests.test_resilience_dist import _launch
 
     out = tmp_path_factory.mktemp("bad_input")
     assert _launch(_worker, 2, str(out), timeout=120) == [0, 0]

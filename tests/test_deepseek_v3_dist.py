@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks  # tests/ is on sys.path (rootdir-relative, no package)
+from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.integrations.deepseek_v3 import (
     DeepSeekV3Config,

@@ -58,7 +58,7 @@ def _reference(layers, x, y):
 
 @pytest.mark.slow
 def test_zero_bubble_split_equals_unsplit_with_fp8_layers():
-    dist_utils = pytest.importorskip("dist_utils")
+    dist_utils = pytest.importorskip("tests.helpers.dist")
     torch.manual_seed(0)
     layers = [_stage(), _stage()]
     x, y = torch.randn(M * ROWS, 128), torch.randn(M * ROWS, 128)

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("mt_dualpipe.runtime.stage")
 
 import torch.nn as nn  # noqa: E402
-from dist_utils import run_ranks  # noqa: E402
+from tests.helpers.dist import run_ranks  # noqa: E402
 
 import mt_dualpipe  # noqa: E402
 from mt_dualpipe.planner.profile import profile, profile_stages  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
-from dist_utils import free_port
+from tests.helpers.dist import free_port
 
 from mt_dualpipe.resilience import KILL_EXIT_CODE, FaultInjector, FaultKind, Rewind, RewindError, fresh_group
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import run_ranks
-from test_runtime_models import H, cos_diff
+from tests.helpers.dist import run_ranks
+from tests.test_runtime_models import H, cos_diff
 
 from mt_dualpipe.runtime.errors import PipelineError
 from mt_dualpipe.runtime.stage import Stage

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_ranks
-from test_runtime_models import cos_diff
+from tests.helpers.dist import run_ranks
+from tests.test_runtime_models import cos_diff
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from toy_pipeline import (  # noqa: E402

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_ranks
+from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.runtime.errors import PipelineError
 from mt_dualpipe.runtime.executor import _B, _BW, _F, _FB, _LAST, _POST, _W, Executor

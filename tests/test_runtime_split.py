@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import run_ranks
+from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.runtime import DeferredLinear, WeightGradStore, defer_weight_grads
 from mt_dualpipe.runtime.stage import supports_fast_split

@@ -656,7 +656,8 @@ def _default_limit(placement: str, P: int, hands: list[tuple[str, Schedule, floa
 
 
 @register("auto", "cost-aware search (list scheduling + local search) under a per-rank activation limit",
-          "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual")
+          "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual",
+          placement="option")
 def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None,
                memory_limit: int | Sequence[int] | None = None, placement: str = "linear", seed: int = 0,
                time_budget: float | None = None, iterations: int | None = None) -> Schedule:

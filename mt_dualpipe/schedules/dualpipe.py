@@ -25,6 +25,7 @@ from collections import deque
 
 from .errors import ScheduleError
 from .ir import FB, ComputeItem, Op, Schedule
+from . import placements
 from .registry import register
 
 
@@ -88,7 +89,7 @@ def bidirectional_order(own: _Stream, other: _Stream, h: int, n: int, per_stream
 
 
 @register("dualpipe", "DeepSeek-V3's bidirectional pipeline: two mirrored chains overlapped F&B",
-          "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2)
+          "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2, placement="dual")
 def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if P % 2:
@@ -99,7 +100,7 @@ def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
         raise ScheduleError(f"dualpipe needs at least 2*num_ranks = {2 * P} micro-batches, got {M}")
     C, n = M // 2, P // 2
     chains = [list(range(C)), list(range(C, M))]
-    placement = (tuple(range(P)), tuple(reversed(range(P))))
+    placement = placements.dual(P)
     ranks = []
     for r in range(P):
         h = min(r, P - 1 - r)
@@ -107,17 +108,17 @@ def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
         s1 = _Stream(1, P - 1 - r, chains[1])
         own, other = (s0, s1) if r < n else (s1, s0)
         ranks.append(bidirectional_order(own, other, h, n, C, P))
-    return Schedule("dualpipe", P, M, placement, [0] * C + [1] * C, ranks)
+    return Schedule("dualpipe", P, M, placement, placements.dual_chains(M), ranks)
 
 
 @register("dualpipev", "DualPipe cut in half: one chain of 2P stages in a V, overlapped F&B",
-          "M >= 2P")
+          "M >= 2P", placement="v")
 def build_dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P:
         raise ScheduleError(f"dualpipev needs at least 2*num_ranks = {2 * P} micro-batches, got {M}")
     mbs = list(range(M))
-    placement = (tuple(range(P)) + tuple(reversed(range(P))),)
+    placement = placements.v_shape(P)
     ranks = [bidirectional_order(_Stream(0, r, mbs), _Stream(0, 2 * P - 1 - r, mbs), r, P, M, 2 * P)
              for r in range(P)]
     return Schedule("dualpipev", P, M, placement, [0] * M, ranks)

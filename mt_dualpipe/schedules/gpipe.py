@@ -8,6 +8,7 @@ backward, which is what 1F1B fixes.
 from __future__ import annotations
 
 from .ir import Op, Schedule
+from . import placements
 from .registry import register
 
 
@@ -15,4 +16,4 @@ from .registry import register
 def build_gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [[Op("F", 0, r, m) for m in range(M)] + [Op("BW", 0, r, m) for m in range(M)] for r in range(P)]
-    return Schedule("gpipe", P, M, (tuple(range(P)),), [0] * M, ranks)
+    return Schedule("gpipe", P, M, placements.linear(P), [0] * M, ranks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .errors import ScheduleError
 from .ir import Op, Schedule
+from . import placements
 from .registry import register
 
 
@@ -44,13 +45,13 @@ def interleaved_order(rank: int, P: int, M: int, v: int) -> list[Op]:
 
 
 @register("interleaved-1f1b", "Megatron's interleaved 1F1B: v chunks per rank round-robin, bubble / v",
-          "virtual_stages (v) >= 2; M a multiple of P")
+          "virtual_stages (v) >= 2; M a multiple of P", placement="interleaved")
 def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     P, M, v = num_ranks, num_microbatches, virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 2:
         raise ScheduleError(f"virtual_stages must be an integer >= 2, got {v!r}")
     if M % P:
         raise ScheduleError(f"interleaved-1f1b needs num_microbatches divisible by num_ranks ({P}), got {M}")
-    placement = (tuple(s % P for s in range(v * P)),)
+    placement = placements.interleaved(P, v)
     ranks = [interleaved_order(r, P, M, v) for r in range(P)]
     return Schedule("interleaved-1f1b", P, M, placement, [0] * M, ranks, meta={"virtual_stages": v})

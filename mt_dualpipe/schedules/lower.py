@@ -23,7 +23,7 @@ from ._perf import gc_paused
 from .costs import Costs
 from .ir import FB, Comm, CommBatch, Instruction, Program, Schedule
 from .simulate import run_schedule
-from .validate import _check_structure
+from .validate import check_structure
 
 
 @gc_paused
@@ -34,7 +34,7 @@ def lower(schedule: Schedule, check: bool = True) -> Program:
     execution itself proves the compute order deadlock-free (it raises ``ScheduleError`` if not).
     """
     if check:
-        _check_structure(schedule)
+        check_structure(schedule)
     P = schedule.num_ranks
     placement = schedule.placement
     starts: list[list[float]] = [[] for _ in range(P)]

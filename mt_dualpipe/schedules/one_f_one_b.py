@@ -9,6 +9,7 @@ rank 0), instead of GPipe's M; the bubble is the same (P-1)(F+B+W).
 from __future__ import annotations
 
 from .ir import Op, Schedule
+from . import placements
 from .registry import register
 
 
@@ -28,4 +29,4 @@ def one_f_one_b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
 def build_1f1b(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [one_f_one_b_order(r, P, M) for r in range(P)]
-    return Schedule("1f1b", P, M, (tuple(range(P)),), [0] * M, ranks)
+    return Schedule("1f1b", P, M, placements.linear(P), [0] * M, ranks)

@@ -1,9 +1,10 @@
 """Discrete-event simulation of a schedule: makespan, bubbles, peak activations, timeline.
 
 Every rank runs its ops in order; an op starts when its rank is free and every op it depends on
-has finished (plus the point-to-point latency when that op ran on another rank). The same walk
-detects deadlocks, so ``validate`` reuses it. Activations are counted as in SCHEDULES.md: +1 when
-a stage's F starts, -1 when its W or BW finishes.
+has finished (plus the point-to-point latency when that op ran on another rank). What an op
+waits for, costs and holds comes from ``ops`` (the one definition of an op's meaning); this module
+only walks. The same walk detects deadlocks, so ``validate`` reuses it. Activations are counted
+as docs/schedules.md defines them: +1 when a stage's F starts, -1 when its W or BW finishes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from ._perf import gc_paused
 from .costs import Costs
 from .errors import ScheduleError
-from .ir import FB, CommBatch, Op, Program, Schedule
+from .ir import FB, CommBatch, Program, Schedule
+from .ops import OpTable
 from .timeline import Timeline, TimelineEvent
 
 
@@ -30,6 +32,7 @@ class SimResult:
     bubble_rate: float
     timeline: list[TimelineEvent] = field(repr=False)
     costs: Costs = field(default_factory=Costs, repr=False)
+    rank_end: list[float] = field(default_factory=list, repr=False)  # when each rank's last op ends
 
     @property
     def span_bubble_rate(self) -> float:
@@ -55,10 +58,11 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
     ``record`` keeps the timeline; ``starts_out``/``ends_out`` (one list per rank) receive each
     op's start and end in program order — what lowering needs, without building events.
 
-    Ops are numbered ``u = (chain * S + stage) * M + mb``; ``f_end[u]``/``b_end[u]`` hold the
-    finish time of F / of B-or-BW (-1 while not run). A rank that meets an op whose input is not
-    ready parks on that input (``waiters``) and is resumed when it is produced, so the walk is
-    linear in the number of ops.
+    Each op is first resolved by ``ops.OpTable`` into (signal keys it waits for, their ranks and
+    stages, signal keys it makes, cost, activation effect): the dependency rule lives there, this
+    loop only waits and counts. ``end[k]`` holds the time signal ``k`` became available (-1 while
+    not made). A rank that meets an op whose input is not ready parks on that input
+    (``waiters``) and is resumed when it is made, so the walk is linear in the number of ops.
     """
     costs = costs or Costs()
     P = schedule.num_ranks
@@ -67,15 +71,17 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
     S, M = len(placement[0]), schedule.num_microbatches
     sc = costs.per_stage(S)
-    cf, cb, cw, ca2f, ca2b, lat = sc.f, sc.b, sc.w, sc.a2a_f, sc.a2a_b, sc.comm
-    fb_cost = sc.fb_cost
-    rank_of = [r for chain in placement for r in chain]  # by c * S + s
-
-    n = len(placement) * S * M
-    f_end = [-1.0] * n
-    b_end = [-1.0] * n
-    waiters: dict[int, list[int]] = {}  # u (an F) or n + u (a B) -> parked ranks
+    lat = sc.comm
+    table = OpTable(placement, M, sc)
+    templates = table.templates()
     rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
+    for r, ops in enumerate(rank_ops):
+        for i, item in enumerate(ops):
+            if type(item) is not FB and item.kind not in templates:
+                raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; allowed F, B, W, BW, FB")
+
+    end_of = [-1.0] * (2 * len(placement) * S * M)
+    waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
     pos = [0] * P
     now = [0.0] * P
     first: list[float | None] = [None] * P
@@ -83,52 +89,28 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
     live = [0] * P
     peak = [0] * P
     events: list[TimelineEvent] = []
-    blocked_on: dict[int, tuple[Op, str, int]] = {}
+    blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank)
 
-    def ready(op: Op, r: int) -> float:
-        """Earliest start allowed by ``op``'s inputs, or -1 after parking rank ``r`` on the missing one."""
-        kind, c, s, m = op
-        cs = c * S + s
-        u = cs * M + m
-        if kind == "F":
-            if not s:
-                return 0.0
-            v = f_end[u - M]
+    fb_cost = sc.fb_cost
+
+    def ready(waits: tuple, off: int, r: int) -> float:
+        """Earliest start the inputs allow, or -1 after parking rank ``r`` on the first missing one."""
+        t = 0.0
+        for key, owner, st in waits:
+            v = end_of[key + off]
             if v < 0:
-                return park(u - M, r, op, "F", rank_of[cs - 1])
-            return v + lat[s - 1] if rank_of[cs - 1] != r else v
-        if kind == "W":
-            v = b_end[u]
-            return v if v >= 0 else park(n + u, r, op, "B", r)
-        t = f_end[u]
-        if t < 0:
-            return park(u, r, op, "F", r)
-        if s + 1 < S:
-            v = b_end[u + M]
-            if v < 0:
-                return park(n + u + M, r, op, "B", rank_of[cs + 1])
-            if rank_of[cs + 1] != r:
-                v += lat[s + 1]
+                waiters.setdefault(key + off, []).append(r)
+                blocked_on[r] = (key + off, owner)
+                return -1.0
+            if owner != r:
+                v += lat[st]
             if v > t:
                 t = v
         return t
 
-    def park(key: int, r: int, op: Op, what: str, owner: int) -> float:
-        waiters.setdefault(key, []).append(r)
-        blocked_on[r] = (op, what, owner)
-        return -1.0
-
-    def produced(op: Op, end: float) -> None:
-        kind, c, s, m = op
-        u = (c * S + s) * M + m
-        if kind == "F":
-            f_end[u] = end
-            w = waiters.pop(u, None)
-        elif kind == "W":
-            return
-        else:
-            b_end[u] = end
-            w = waiters.pop(n + u, None)
+    def make(key: int, end: float) -> None:
+        end_of[key] = end
+        w = waiters.pop(key, None)
         if w:
             stack.extend(w)
 
@@ -140,89 +122,64 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         nops = len(ops)
         blocked_on.pop(r, None)
         t_now = now[r]
+        n_live = live[r]
+        n_peak = peak[r]
         while i < nops:
             item = ops[i]
             if type(item) is FB:
-                f, b = item.f, item.b
-                t1 = ready(f, r)
+                # an FB unit: both parts' inputs, one cost, both parts' signals at its end
+                (fk, fc, fs, fm), (bk, bc, bs, bm) = item
+                wf, mf, _, hf, ff = templates[fk][fc * S + fs]
+                wb, mb_, _, hb, fbb = templates[bk][bc * S + bs]
+                t1 = ready(wf, fm + fm, r)
                 if t1 < 0:
                     break
-                t2 = ready(b, r)
-                if t2 < 0:
+                t = ready(wb, bm + bm, r)
+                if t < 0:
                     break
-                start = max(t_now, t1, t2)
-                dur = fb_cost(f.stage, b.kind, b.stage)
+                if t1 > t:
+                    t = t1
+                start = t_now if t_now > t else t
+                dur = fb_cost(fs, bk, bs)
                 end = start + dur
-                live[r] += 1
-                if live[r] > peak[r]:
-                    peak[r] = live[r]
-                if b.kind == "BW":
-                    live[r] -= 1
+                n_live += hf + hb
+                if n_live > n_peak:
+                    n_peak = n_live
+                n_live -= ff + fbb
+                for key in mf:
+                    make(key + fm + fm, end)
+                for key in mb_:
+                    make(key + bm + bm, end)
                 if record:
-                    events.append(TimelineEvent(r, "FB", f.chain, f.stage, f.mb, start, end,
-                                                (b.kind, b.chain, b.stage, b.mb)))
-                produced(f, end)
-                produced(b, end)
+                    events.append(TimelineEvent(r, "FB", fc, fs, fm, start, end, (bk, bc, bs, bm)))
             else:
                 kind, c, s, m = item
-                cs = c * S + s
-                u = cs * M + m
-                # the inputs' finish times, inlined (this loop is the compiler's hot path)
-                if kind == "F":
-                    if s:
-                        t = f_end[u - M]
-                        if t < 0:
-                            park(u - M, r, item, "F", rank_of[cs - 1])
-                            break
-                        if rank_of[cs - 1] != r:
-                            t += lat[s - 1]
-                    else:
-                        t = 0.0
-                elif kind == "W":
-                    t = b_end[u]
-                    if t < 0:
-                        park(n + u, r, item, "B", r)
+                waits, made, dur, holds, frees = templates[kind][c * S + s]
+                off = m + m
+                t = 0.0
+                for key, owner, st in waits:  # the inputs' finish times, inlined (the compiler's hot path)
+                    v = end_of[key + off]
+                    if v < 0:
+                        waiters.setdefault(key + off, []).append(r)
+                        blocked_on[r] = (key + off, owner)
+                        t = -1.0
                         break
-                else:
-                    t = f_end[u]
-                    if t < 0:
-                        park(u, r, item, "F", r)
-                        break
-                    if s + 1 < S:
-                        v = b_end[u + M]
-                        if v < 0:
-                            park(n + u + M, r, item, "B", rank_of[cs + 1])
-                            break
-                        if rank_of[cs + 1] != r:
-                            v += lat[s + 1]
-                        if v > t:
-                            t = v
+                    if owner != r:
+                        v += lat[st]
+                    if v > t:
+                        t = v
+                if t < 0:  # parked on a missing input
+                    break
                 start = t_now if t_now > t else t
-                if kind == "F":
-                    dur = cf[s] + ca2f[s]
-                    live[r] += 1
-                    if live[r] > peak[r]:
-                        peak[r] = live[r]
-                    end = start + dur
-                    f_end[u] = end
-                    w = waiters.pop(u, None)
-                    if w:
-                        stack.extend(w)
-                elif kind == "W":
-                    dur = cw[s]
-                    live[r] -= 1
-                    end = start + dur
-                else:
-                    if kind == "B":
-                        dur = cb[s] + ca2b[s]
-                    elif kind == "BW":
-                        dur = cb[s] + cw[s] + ca2b[s]
-                        live[r] -= 1
-                    else:
-                        raise ScheduleError(f"rank {r} op {i}: unknown op kind {kind!r}; allowed F, B, W, BW, FB")
-                    end = start + dur
-                    b_end[u] = end
-                    w = waiters.pop(n + u, None)
+                end = start + dur
+                if holds:
+                    n_live += holds
+                    if n_live > n_peak:
+                        n_peak = n_live
+                n_live -= frees
+                for key in made:
+                    end_of[key + off] = end
+                    w = waiters.pop(key + off, None)
                     if w:
                         stack.extend(w)
                 if record:
@@ -237,10 +194,12 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
             i += 1
         pos[r] = i
         now[r] = t_now
+        live[r] = n_live
+        peak[r] = n_peak
 
     stuck = [r for r in range(P) if pos[r] < len(rank_ops[r])]
     if stuck:
-        raise ScheduleError(_deadlock_message(rank_ops, pos, blocked_on, stuck))
+        raise ScheduleError(_deadlock_message(rank_ops, pos, blocked_on, stuck, S, M))
 
     makespan = max(now) if P else 0.0
     span = [(now[r] - first[r]) if first[r] is not None else 0.0 for r in range(P)]
@@ -249,27 +208,27 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         name=schedule.name, num_ranks=P, num_microbatches=schedule.num_microbatches, makespan=makespan,
         busy=busy, makespan_bubble=idle, span_bubble=[sp - b for sp, b in zip(span, busy)],
         peak_activations=peak, bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
-        timeline=events, costs=costs,
+        timeline=events, costs=costs, rank_end=list(now),
     )
 
 
-def _deadlock_message(rank_ops, pos, blocked_on, stuck) -> str:
+def _deadlock_message(rank_ops, pos, blocked_on, stuck, S: int, M: int) -> str:
     """Describe why ranks are stuck: a missing/late op on the same rank, or a cycle of ranks."""
     lines = []
     for r in stuck:
         i = pos[r]
-        key_op = blocked_on.get(r)
-        if key_op is None:
+        blocked = blocked_on.get(r)
+        if blocked is None:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} is stuck")
             continue
-        op, what, owner = key_op
-        dep = _dep_name(op, what)
+        key, owner = blocked
+        dep = _signal_name(key, S, M)
         if owner == r:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} waits for {dep}, which rank {r} runs later or never")
             return "deadlock: " + lines[-1]
         lines.append(f"rank {r} op {i} {rank_ops[r][i]} waits for {dep} on rank {owner}")
     # follow the wait-for edges from the first stuck rank to find a cycle
-    nxt = {r: blocked_on[r][2] for r in stuck if r in blocked_on}
+    nxt = {r: blocked_on[r][1] for r in stuck if r in blocked_on}
     seen: list[int] = []
     r = stuck[0]
     while r in nxt and r not in seen:
@@ -285,12 +244,12 @@ def _deadlock_message(rank_ops, pos, blocked_on, stuck) -> str:
     return head + "\n  " + "\n  ".join(lines)
 
 
-def _dep_name(op: Op, what: str) -> str:
-    if what == "F":
-        s = op.stage - 1 if op.kind == "F" else op.stage
-        return f"F(c{op.chain},s{s},m{op.mb})"
-    s = op.stage if op.kind == "W" else op.stage + 1
-    return f"B(c{op.chain},s{s},m{op.mb})"
+def _signal_name(key: int, S: int, M: int) -> str:
+    """The op that makes signal ``key`` (``F(...)`` for an activation, ``B(...)`` for a gradient)."""
+    u, bit = divmod(key, 2)
+    cs, m = divmod(u, M)
+    c, s = divmod(cs, S)
+    return f"{'B' if bit else 'F'}(c{c},s{s},m{m})"
 
 
 def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None) -> SimResult:
@@ -303,7 +262,7 @@ def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ScheduleError):
             raise
-        from .validate import _check_structure
+        from .validate import check_structure
 
-        _check_structure(schedule)  # names the malformed op
+        check_structure(schedule)  # names the malformed op
         raise ScheduleError(f"cannot simulate {schedule.name!r}: {exc}") from exc

@@ -44,7 +44,7 @@ def _check_header(schedule: Schedule) -> None:
             raise ScheduleError(f"micro-batch {m} is on chain {c}; chains are 0..{len(placement) - 1}")
 
 
-def _check_structure(schedule: Schedule) -> None:
+def check_structure(schedule: Schedule) -> None:
     """Exactly-once ops on the placement's ranks, well-formed FB pairs (no dependency check)."""
     _check_header(schedule)
     M = schedule.num_microbatches
@@ -120,7 +120,7 @@ def validate(schedule: Schedule | Program) -> None:
     if isinstance(schedule, Program):
         validate_program(schedule)
         return
-    _check_structure(schedule)
+    check_structure(schedule)
     run_schedule(schedule, record=False)  # raises on deadlock, naming the waiting ops
 
 
@@ -135,7 +135,7 @@ def _data_name(key: int, S: int, M: int) -> str:
 def validate_program(program: Program) -> None:
     """Validate a lowered program: compute ops, send/recv matching, and rendezvous deadlock-freedom."""
     view = program.compute_schedule()
-    _check_structure(view)
+    check_structure(view)
     P, M = view.num_ranks, view.num_microbatches
     placement = view.placement
     S = len(placement[0])

@@ -42,6 +42,7 @@ from collections import deque
 
 from .errors import ScheduleError
 from .ir import Op, Schedule
+from . import placements
 from .registry import register
 
 
@@ -63,7 +64,7 @@ def zero_bubble_order(rank: int, M: int, warmup: int, delay: int) -> list[Op]:
 def build_zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [zero_bubble_order(r, M, warmup=P - r, delay=r) for r in range(P)]
-    return Schedule("zb-h1", P, M, (tuple(range(P)),), [0] * M, ranks)
+    return Schedule("zb-h1", P, M, placements.linear(P), [0] * M, ranks)
 
 
 @register("zb-h2", "Zero Bubble H2: more warm-up forwards, zero span bubble when F=B=W (peak 2P-1)",
@@ -71,7 +72,7 @@ def build_zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 def build_zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [zero_bubble_order(r, M, warmup=2 * (P - r) - 1, delay=2 * r) for r in range(P)]
-    return Schedule("zb-h2", P, M, (tuple(range(P)),), [0] * M, ranks)
+    return Schedule("zb-h2", P, M, placements.linear(P), [0] * M, ranks)
 
 
 def zbv_order(rank: int, P: int, M: int) -> list[Op]:
@@ -115,10 +116,10 @@ def zbv_order(rank: int, P: int, M: int) -> list[Op]:
 
 
 @register("zbv", "Zero Bubble V: two chunks per rank in a V, B/W split, zero span bubble at peak 2P chunks",
-          "M >= 2P-1")
+          "M >= 2P-1", placement="v")
 def build_zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P - 1:
         raise ScheduleError(f"zbv needs at least 2*num_ranks-1 = {2 * P - 1} micro-batches, got {M}")
-    placement = (tuple(range(P)) + tuple(reversed(range(P))),)
+    placement = placements.v_shape(P)
     return Schedule("zbv", P, M, placement, [0] * M, [zbv_order(r, P, M) for r in range(P)])
