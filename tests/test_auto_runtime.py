@@ -7,11 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("mt_dualpipe.runtime.modules")
 
-from tests.helpers.dist import run_ranks  # noqa: E402
-from tests.test_runtime_models import check_against_reference, make_data, make_layers, pipeline_worker  # noqa: E402
-
 from mt_dualpipe.schedules import Costs, build_schedule, simulate  # noqa: E402
 from mt_dualpipe.schedules.ir import FB, compute_parts  # noqa: E402
+from tests.helpers.dist import run_ranks  # noqa: E402
+from tests.test_runtime_models import check_against_reference, make_data, make_layers, pipeline_worker  # noqa: E402
 
 
 @pytest.mark.slow

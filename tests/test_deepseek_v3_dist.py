@@ -12,7 +12,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.integrations.deepseek_v3 import (
     DeepSeekV3Config,
@@ -24,6 +23,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (
     sync_replicas,
 )
 from mt_dualpipe.integrations.deepseek_v3.moe import MoE
+from tests.helpers.dist import run_ranks
 
 torch.set_num_threads(1)
 

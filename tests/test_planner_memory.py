@@ -8,10 +8,9 @@ torch = pytest.importorskip("torch")
 ds = pytest.importorskip("mt_dualpipe.integrations.deepseek_v3")
 runtime = pytest.importorskip("mt_dualpipe.runtime.modules")
 
-from tests.helpers.dist import run_ranks  # noqa: E402
-
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate  # noqa: E402
 from mt_dualpipe.planner.profile import _SavedBytes  # noqa: E402
+from tests.helpers.dist import run_ranks  # noqa: E402
 
 SEQ, M, P = 64, 4, 2
 

@@ -8,11 +8,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("mt_dualpipe.runtime.stage")
 
 import torch.nn as nn  # noqa: E402
-from tests.helpers.dist import run_ranks  # noqa: E402
 
 import mt_dualpipe  # noqa: E402
 from mt_dualpipe.planner.profile import profile, profile_stages  # noqa: E402
 from mt_dualpipe.schedules import Costs, build_schedule, simulate, validate  # noqa: E402
+from tests.helpers.dist import run_ranks  # noqa: E402
 
 
 def mlp(width: int, hidden: int) -> nn.Module:

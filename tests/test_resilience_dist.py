@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
-from tests.helpers.dist import free_port
 
 from mt_dualpipe.resilience import KILL_EXIT_CODE, FaultInjector, FaultKind, Rewind, RewindError, fresh_group
+from tests.helpers.dist import free_port
 
 DIM, BATCH, CHUNKS = 6, 8, 4
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+
 from tests.helpers.dist import run_ranks
 from tests.test_runtime_models import cos_diff
 

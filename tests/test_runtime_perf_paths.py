@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.runtime.errors import PipelineError
 from mt_dualpipe.runtime.executor import _B, _BW, _F, _FB, _LAST, _POST, _W, Executor
@@ -18,6 +17,7 @@ from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from mt_dualpipe.schedules import build_schedule
 from mt_dualpipe.schedules.ir import Op, Program
 from mt_dualpipe.schedules.lower import lower
+from tests.helpers.dist import run_ranks
 
 
 def _executor(name: str, P: int, M: int, rank: int) -> Executor:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.dist import run_ranks
-from tests.test_runtime_models import check_against_reference, make_data, make_layers, pipeline_worker
 
 from mt_dualpipe.schedules import build_schedule, list_schedules, simulate
 from mt_dualpipe.schedules.registry import accepts
+from tests.helpers.dist import run_ranks
+from tests.test_runtime_models import check_against_reference, make_data, make_layers, pipeline_worker
 
 
 def _cases(P: int) -> list[tuple[str, int]]:

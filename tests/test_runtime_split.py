@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from tests.helpers.dist import run_ranks
 
 from mt_dualpipe.runtime import DeferredLinear, WeightGradStore, defer_weight_grads
 from mt_dualpipe.runtime.stage import supports_fast_split
+from tests.helpers.dist import run_ranks
 
 torch.set_num_threads(1)
 H = 8

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from . import placements
 from .errors import ScheduleError
 from .ir import FB, ComputeItem, Op, Schedule
-from . import placements
 from .registry import register
 
 

@@ -7,8 +7,8 @@ backward, which is what 1F1B fixes.
 
 from __future__ import annotations
 
-from .ir import Op, Schedule
 from . import placements
+from .ir import Op, Schedule
 from .registry import register
 
 

@@ -15,9 +15,9 @@ only defines this order for M a multiple of P, and so does this module.
 
 from __future__ import annotations
 
+from . import placements
 from .errors import ScheduleError
 from .ir import Op, Schedule
-from . import placements
 from .registry import register
 
 

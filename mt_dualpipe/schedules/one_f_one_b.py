@@ -8,8 +8,8 @@ rank 0), instead of GPipe's M; the bubble is the same (P-1)(F+B+W).
 
 from __future__ import annotations
 
-from .ir import Op, Schedule
 from . import placements
+from .ir import Op, Schedule
 from .registry import register
 
 

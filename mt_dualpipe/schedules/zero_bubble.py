@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from collections import deque
 
+from . import placements
 from .errors import ScheduleError
 from .ir import Op, Schedule
-from . import placements
 from .registry import register
 
 
