@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from .errors import ScheduleError
+from .ops import OpKind
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -113,22 +114,12 @@ class StageCosts:
     a2a_f: list[float]
     a2a_b: list[float]
 
-    def op_cost(self, kind: str, stage: int) -> float:
-        """Cost of a lone op (exposed all-to-all included)."""
-        if kind == "F":
-            return self.f[stage] + self.a2a_f[stage]
-        if kind == "B":
-            return self.b[stage] + self.a2a_b[stage]
-        if kind == "W":
-            return self.w[stage]
-        if kind == "BW":
-            return self.b[stage] + self.w[stage] + self.a2a_b[stage]
-        raise ScheduleError(f"unknown compute op kind {kind!r}; allowed: F, B, W, BW, FB")
-
     def fb_cost(self, f_stage: int, b_kind: str, b_stage: int) -> float:
-        """Cost of an overlapped F&B unit: all-to-all hidden, ``fb`` if given."""
+        """Cost of an overlapped F&B unit: all-to-all hidden, ``fb`` if given.
+
+        A lone op's cost is its kind's rule in ``ops.RULES`` (``ops.op_cost``)."""
         if self.fb is not None:
             full = self.fb[f_stage]
-            return full if b_kind == "BW" else max(0.0, full - self.w[b_stage])
-        back = self.b[b_stage] + (self.w[b_stage] if b_kind == "BW" else 0.0)
+            return full if b_kind == OpKind.BW else max(0.0, full - self.w[b_stage])
+        back = self.b[b_stage] + (self.w[b_stage] if b_kind == OpKind.BW else 0.0)
         return self.f[f_stage] + back

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 
 from .errors import ScheduleError
-from .ir import COMPUTE_KINDS, FB, SCHEDULE_FORMAT, ComputeItem, Op, Schedule
+from .ir import FB, SCHEDULE_FORMAT, ComputeItem, Op, Schedule
+from .ops import BACKWARD_KINDS, COMPUTE_KINDS, OpKind
 
 
 def _op_to_dict(op: Op) -> dict:
@@ -51,15 +52,15 @@ def _op_from_dict(d: object, where: str) -> Op:
     if kind not in COMPUTE_KINDS:
         raise ScheduleError(f"{where}: op must be one of F, B, W, BW, FB, got {kind!r}")
     try:
-        return Op(kind, int(d["chain"]), int(d["stage"]), int(d["mb"]))
+        return Op(OpKind(kind), int(d["chain"]), int(d["stage"]), int(d["mb"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ScheduleError(f"{where}: op {d!r} needs integer 'chain', 'stage' and 'mb'") from exc
 
 
 def item_from_dict(d: object, where: str) -> ComputeItem:
-    if isinstance(d, dict) and d.get("op") == "FB":
+    if isinstance(d, dict) and d.get("op") == OpKind.FB:
         f, b = _op_from_dict(d.get("f"), where + ".f"), _op_from_dict(d.get("b"), where + ".b")
-        if f.kind != "F" or b.kind not in ("B", "BW"):
+        if f.kind != OpKind.F or b.kind not in BACKWARD_KINDS:
             raise ScheduleError(f"{where}: an FB pairs an F with a B or BW, got {f.kind} and {b.kind}")
         return FB(f, b)
     return _op_from_dict(d, where)

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
 from .errors import ScheduleError
+from .ops import OpKind
 
-COMPUTE_KINDS = ("F", "B", "W", "BW")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 SCHEDULE_FORMAT = "mt-dualpipe.schedule/1"
 
 
@@ -39,7 +38,7 @@ class FB(NamedTuple):
 
     @property
     def kind(self) -> str:
-        return "FB"
+        return OpKind.FB
 
     def parts(self) -> tuple[Op, Op]:
         return (self.f, self.b)
@@ -73,7 +72,7 @@ class CommBatch(NamedTuple):
 
     @property
     def kind(self) -> str:
-        return "COMM"
+        return OpKind.COMM
 
     def __str__(self) -> str:
         return "COMM[" + ", ".join(str(c) for c in self.ops) + "]"
@@ -144,7 +143,7 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """True when any rank runs separate B and W ops."""
-        return any(p.kind == "W" for ops in self.ranks for item in ops for p in compute_parts(item))
+        return any(p.kind == OpKind.W for ops in self.ranks for item in ops for p in compute_parts(item))
 
     def ops(self, rank: int) -> Sequence[ComputeItem]:
         return self.ranks[rank]

@@ -22,8 +22,31 @@ from bisect import bisect_left
 from ._perf import gc_paused
 from .costs import Costs
 from .ir import FB, Comm, CommBatch, Instruction, Program, Schedule
+from .ops import RULES, SEND_RECV
 from .simulate import run_schedule
 from .validate import check_structure
+
+
+def _routes(placement: tuple[tuple[int, ...], ...]) -> dict[str, list[tuple | None]]:
+    """Per kind, per ``c * S + s``: where the op's signal goes when it leaves the rank.
+
+    (peer rank, send kind, receive kind, consumer stage), or None when the op makes no signal or
+    its consumer runs on the same rank — all from ``ops`` (what a kind makes, where it travels).
+    """
+    S = len(placement[0])
+    out: dict[str, list[tuple | None]] = {}
+    for kind, rule in RULES.items():
+        row: list[tuple | None] = []
+        for chain in placement:
+            for s in range(S):
+                t = s + rule.sends_to
+                if rule.makes is None or not rule.sends_to or not 0 <= t < S or chain[t] == chain[s]:
+                    row.append(None)
+                else:
+                    send_kind, recv_kind = SEND_RECV[rule.makes]
+                    row.append((chain[t], send_kind, recv_kind, t))
+        out[kind] = row
+    return out
 
 
 @gc_paused
@@ -41,31 +64,23 @@ def lower(schedule: Schedule, check: bool = True) -> Program:
     ends: list[list[float]] = [[] for _ in range(P)]
     run_schedule(schedule, Costs(1.0, 1.0, 1.0), record=False, starts_out=starts, ends_out=ends)
 
-    # per (chain, stage) = c * S + s: the rank of the next / previous stage when it is another rank, else -1
-    S = len(placement[0])
-    nxt = [chain[s + 1] if s + 1 < S and chain[s + 1] != chain[s] else -1 for chain in placement for s in range(S)]
-    prv = [chain[s - 1] if s > 0 and chain[s - 1] != chain[s] else -1 for chain in placement for s in range(S)]
+    routes = _routes(placement)
 
     # one entry per transfer: (end of its producer, producer rank, index, part, send, recv, peer)
     transfers: list[tuple] = []
     append = transfers.append
     new = tuple.__new__  # builds the named tuples without their Python-level __new__ (twice as fast)
+    S = len(placement[0])
     for r, ops in enumerate(schedule.ranks):
         ends_r = ends[r]
         for i, item in enumerate(ops):
             parts = (item.f, item.b) if type(item) is FB else (item,)
             for part_no, (kind, c, s, m) in enumerate(parts):
-                cs = c * S + s
-                if kind == "F":
-                    peer = nxt[cs]
-                    if peer >= 0:
-                        append((ends_r[i], r, i, part_no, new(Comm, ("SEND_F", peer, c, s, m)),
-                                new(Comm, ("RECV_F", r, c, s + 1, m)), peer))
-                elif kind != "W":
-                    peer = prv[cs]
-                    if peer >= 0:
-                        append((ends_r[i], r, i, part_no, new(Comm, ("SEND_B", peer, c, s, m)),
-                                new(Comm, ("RECV_B", r, c, s - 1, m)), peer))
+                route = routes[kind][c * S + s]
+                if route is not None:
+                    peer, send_kind, recv_kind, t = route
+                    append((ends_r[i], r, i, part_no, new(Comm, (send_kind, peer, c, s, m)),
+                            new(Comm, (recv_kind, r, c, t, m)), peer))
     transfers.sort()  # (end, rank, index, part) is unique: the Comm fields are never compared
 
     # slots[r][j]: comm ops posted right before rank r's op j (j == len: after the last op)

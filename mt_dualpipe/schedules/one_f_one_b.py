@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import placements
 from .ir import Op, Schedule
+from .ops import OpKind
 from .registry import register
 
 
@@ -17,10 +18,10 @@ def one_f_one_b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
     """The 1F1B order of one rank of a single chain of ``num_ranks`` stages (stage = rank)."""
     M = num_microbatches
     warmup = min(num_ranks - 1 - rank, M)
-    ops = [Op("F", 0, rank, m) for m in range(warmup)]
+    ops = [Op(OpKind.F, 0, rank, m) for m in range(warmup)]
     for m in range(M - warmup):  # steady: F of the next micro-batch, BW of the oldest
-        ops += [Op("F", 0, rank, warmup + m), Op("BW", 0, rank, m)]
-    ops += [Op("BW", 0, rank, m) for m in range(M - warmup, M)]  # drain
+        ops += [Op(OpKind.F, 0, rank, warmup + m), Op(OpKind.BW, 0, rank, m)]
+    ops += [Op(OpKind.BW, 0, rank, m) for m in range(M - warmup, M)]  # drain
     return ops
 
 

@@ -50,6 +50,8 @@ class OpKind(str, Enum):
     RECV_B = "RECV_B"
     COMM = "COMM"
 
+    __hash__ = str.__hash__  # C-level hash, equal to the plain string's: keys mix freely, lookups stay fast
+
     def __str__(self) -> str:
         return self.value
 
@@ -72,6 +74,8 @@ class Signal(str, Enum):
 
     ACT = "F"
     GRAD = "B"
+
+    __hash__ = str.__hash__
 
     def __str__(self) -> str:
         return self.value
@@ -125,6 +129,39 @@ SEND_RECV: dict[Signal, tuple[OpKind, OpKind]] = {ACT: (SEND_F, RECV_F), GRAD: (
 """The comm kinds that carry a signal across ranks: (sender's kind, receiver's kind)."""
 
 SIGNAL_OF_COMM: dict[str, Signal] = {SEND_F: ACT, RECV_F: ACT, SEND_B: GRAD, RECV_B: GRAD}
+
+SENDS_TO: dict[Signal, int] = {r.makes: r.sends_to for r in RULES.values() if r.makes is not None}
+"""Where each signal travels: ACT to the next stage (+1), GRAD to the previous one (-1)."""
+
+
+class CommShape(NamedTuple):
+    """How a comm op ``(kind, peer, c, s, m)`` relates to the signal it carries.
+
+    The signal is that of stage ``s + producer`` (``producer`` is 0 for a send, -sends_to for a
+    receive); the peer runs stage ``s + peer_offset``; ``bit`` is the signal's key bit.
+    """
+
+    signal: Signal
+    producer: int
+    peer_offset: int
+    bit: int
+    is_send: bool
+
+
+def comm_shape(kind: str) -> CommShape | None:
+    """The shape of a comm kind, or None for anything that is not a comm kind."""
+    sig = SIGNAL_OF_COMM.get(kind)
+    if sig is None:
+        return None
+    d = SENDS_TO[sig]
+    is_send = kind == SEND_RECV[sig][0]
+    return CommShape(sig, 0 if is_send else -d, d if is_send else -d, int(sig is GRAD), is_send)
+
+
+COMM_SHAPES: dict[str, CommShape] = {k: comm_shape(k) for k in COMM_KINDS}
+
+COMPLETE_SETS: tuple[frozenset[str], ...] = (frozenset((F, BW)), frozenset((F, B, W)))
+"""The kinds one (chain, stage, micro-batch) runs in a complete schedule: F and BW, or F, B and W."""
 
 
 def rule(kind: str) -> KindRule:
@@ -288,6 +325,22 @@ class OpTable:
                 cost = self._cost[kind][s] if self.costs is not None else 0.0
                 per.append((tuple(waits), made, cost, r.holds, r.frees))
             out[kind] = per
+        return out
+
+    def walk_table(self, latency: Sequence[float]) -> dict[str, list[tuple]]:
+        """``templates`` shaped for an event walk: per kind, per ``c * S + s``,
+        (waits, made, cost, holds, frees) where each wait is (key, hop, rank) — ``hop`` the
+        latency added when the producer is on another rank (``latency[producing stage]``, else 0)
+        — and ``made`` is the one key a plain op makes, or -1.
+        """
+        out: dict[str, list[tuple]] = {}
+        for kind, per in self.templates().items():
+            rows = []
+            for cs, (waits, made, cost, holds, frees) in enumerate(per):
+                me = self.rank_of[cs]
+                hops = tuple((k, latency[st] if rk != me else 0.0, rk) for k, rk, st in waits)
+                rows.append((hops, made[0] if made else -1, cost, holds, frees))
+            out[kind] = rows
         return out
 
     def compile(self, item: ComputeItem) -> CompiledOp:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._perf import gc_paused
-from .costs import Costs
+from .costs import Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
 from .ops import OpTable
@@ -58,158 +58,170 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
     ``record`` keeps the timeline; ``starts_out``/``ends_out`` (one list per rank) receive each
     op's start and end in program order — what lowering needs, without building events.
 
-    Each op is first resolved by ``ops.OpTable`` into (signal keys it waits for, their ranks and
-    stages, signal keys it makes, cost, activation effect): the dependency rule lives there, this
-    loop only waits and counts. ``end[k]`` holds the time signal ``k`` became available (-1 while
-    not made). A rank that meets an op whose input is not ready parks on that input
-    (``waiters``) and is resumed when it is made, so the walk is linear in the number of ops.
+    ``ops.OpTable`` resolves every (kind, chain, stage) once into the signal keys it waits for
+    (with the hop latency when the producer is on another rank), the key it makes, its cost and
+    activation effect: the dependency rule lives there, this walk only waits and counts.
+    ``end_of[k]`` holds the time signal ``k`` became available (-1 while not made). A rank that
+    meets an op whose input is not ready parks on that input and is resumed when it is made, so
+    the walk is linear in the number of ops.
     """
     costs = costs or Costs()
-    P = schedule.num_ranks
     placement = schedule.placement
     if len({len(c) for c in placement}) != 1:
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
-    S, M = len(placement[0]), schedule.num_microbatches
-    sc = costs.per_stage(S)
-    lat = sc.comm
-    table = OpTable(placement, M, sc)
-    templates = table.templates()
-    rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
-    for r, ops in enumerate(rank_ops):
-        for i, item in enumerate(ops):
-            if type(item) is not FB and item.kind not in templates:
-                raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; allowed F, B, W, BW, FB")
-
-    end_of = [-1.0] * (2 * len(placement) * S * M)
-    waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
-    pos = [0] * P
-    now = [0.0] * P
-    first: list[float | None] = [None] * P
-    busy = [0.0] * P
-    live = [0] * P
-    peak = [0] * P
-    events: list[TimelineEvent] = []
-    blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank)
-
-    fb_cost = sc.fb_cost
-
-    def ready(waits: tuple, off: int, r: int) -> float:
-        """Earliest start the inputs allow, or -1 after parking rank ``r`` on the first missing one."""
-        t = 0.0
-        for key, owner, st in waits:
-            v = end_of[key + off]
-            if v < 0:
-                waiters.setdefault(key + off, []).append(r)
-                blocked_on[r] = (key + off, owner)
-                return -1.0
-            if owner != r:
-                v += lat[st]
-            if v > t:
-                t = v
-        return t
-
-    def make(key: int, end: float) -> None:
-        end_of[key] = end
-        w = waiters.pop(key, None)
-        if w:
-            stack.extend(w)
-
-    stack = list(range(P))
-    while stack:
-        r = stack.pop()
-        ops = rank_ops[r]
-        i = pos[r]
-        nops = len(ops)
-        blocked_on.pop(r, None)
-        t_now = now[r]
-        n_live = live[r]
-        n_peak = peak[r]
-        while i < nops:
-            item = ops[i]
-            if type(item) is FB:
-                # an FB unit: both parts' inputs, one cost, both parts' signals at its end
-                (fk, fc, fs, fm), (bk, bc, bs, bm) = item
-                wf, mf, _, hf, ff = templates[fk][fc * S + fs]
-                wb, mb_, _, hb, fbb = templates[bk][bc * S + bs]
-                t1 = ready(wf, fm + fm, r)
-                if t1 < 0:
-                    break
-                t = ready(wb, bm + bm, r)
-                if t < 0:
-                    break
-                if t1 > t:
-                    t = t1
-                start = t_now if t_now > t else t
-                dur = fb_cost(fs, bk, bs)
-                end = start + dur
-                n_live += hf + hb
-                if n_live > n_peak:
-                    n_peak = n_live
-                n_live -= ff + fbb
-                for key in mf:
-                    make(key + fm + fm, end)
-                for key in mb_:
-                    make(key + bm + bm, end)
-                if record:
-                    events.append(TimelineEvent(r, "FB", fc, fs, fm, start, end, (bk, bc, bs, bm)))
-            else:
-                kind, c, s, m = item
-                waits, made, dur, holds, frees = templates[kind][c * S + s]
-                off = m + m
-                t = 0.0
-                for key, owner, st in waits:  # the inputs' finish times, inlined (the compiler's hot path)
-                    v = end_of[key + off]
-                    if v < 0:
-                        waiters.setdefault(key + off, []).append(r)
-                        blocked_on[r] = (key + off, owner)
-                        t = -1.0
-                        break
-                    if owner != r:
-                        v += lat[st]
-                    if v > t:
-                        t = v
-                if t < 0:  # parked on a missing input
-                    break
-                start = t_now if t_now > t else t
-                end = start + dur
-                if holds:
-                    n_live += holds
-                    if n_live > n_peak:
-                        n_peak = n_live
-                n_live -= frees
-                for key in made:
-                    end_of[key + off] = end
-                    w = waiters.pop(key + off, None)
-                    if w:
-                        stack.extend(w)
-                if record:
-                    events.append(TimelineEvent(r, kind, c, s, m, start, end))
-            if first[r] is None:
-                first[r] = start
-            if starts_out is not None:
-                starts_out[r].append(start)
-                ends_out[r].append(end)
-            busy[r] += dur
-            t_now = end
-            i += 1
-        pos[r] = i
-        now[r] = t_now
-        live[r] = n_live
-        peak[r] = n_peak
-
-    stuck = [r for r in range(P) if pos[r] < len(rank_ops[r])]
-    if stuck:
-        raise ScheduleError(_deadlock_message(rank_ops, pos, blocked_on, stuck, S, M))
-
+    walk = _Walk(schedule, costs.per_stage(len(placement[0])), record, starts_out, ends_out)
+    walk.run()
+    P, now, busy = schedule.num_ranks, walk.now, walk.busy
     makespan = max(now) if P else 0.0
-    span = [(now[r] - first[r]) if first[r] is not None else 0.0 for r in range(P)]
+    span = [(now[r] - walk.first[r]) if walk.first[r] is not None else 0.0 for r in range(P)]
     idle = [makespan - b for b in busy]
     return SimResult(
         name=schedule.name, num_ranks=P, num_microbatches=schedule.num_microbatches, makespan=makespan,
         busy=busy, makespan_bubble=idle, span_bubble=[sp - b for sp, b in zip(span, busy)],
-        peak_activations=peak, bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
-        timeline=events, costs=costs, rank_end=list(now),
+        peak_activations=walk.peak, bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
+        timeline=walk.events, costs=costs, rank_end=list(now),
     )
+
+
+class _Walk:
+    """The event walk's state: per-rank position, clock, live activations; per-signal end times."""
+
+    def __init__(self, schedule: Schedule, sc: StageCosts, record: bool,
+                 starts_out: list[list[float]] | None, ends_out: list[list[float]] | None) -> None:
+        P = schedule.num_ranks
+        placement = schedule.placement
+        self.S, self.M = len(placement[0]), schedule.num_microbatches
+        self.fb_cost = sc.fb_cost
+        self.templates = OpTable(placement, self.M, sc).walk_table(sc.comm)
+        self.rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
+        for r, ops in enumerate(self.rank_ops):
+            for i, item in enumerate(ops):
+                if type(item) is not FB and item.kind not in self.templates:
+                    raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; allowed F, B, W, BW, FB")
+        self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M)
+        self.waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
+        self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank)
+        self.pos = [0] * P
+        self.now = [0.0] * P
+        self.first: list[float | None] = [None] * P
+        self.busy = [0.0] * P
+        self.live = [0] * P
+        self.peak = [0] * P
+        self.events: list[TimelineEvent] = []
+        self.record = record
+        self.starts_out, self.ends_out = starts_out, ends_out
+        self.stack = list(range(P))
+
+    def run(self) -> None:
+        stack = self.stack
+        while stack:
+            self.advance(stack.pop())
+        stuck = [r for r in range(len(self.rank_ops)) if self.pos[r] < len(self.rank_ops[r])]
+        if stuck:
+            raise ScheduleError(_deadlock_message(self.rank_ops, self.pos, self.blocked_on, stuck, self.S, self.M))
+
+    def advance(self, r: int) -> None:
+        """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop)."""
+        ops, templates, end_of, waiters = self.rank_ops[r], self.templates, self.end_of, self.waiters
+        S, record, events, starts_out = self.S, self.record, self.events, self.starts_out
+        i, nops, t_now = self.pos[r], len(self.rank_ops[r]), self.now[r]
+        self.blocked_on.pop(r, None)
+        while i < nops:
+            item = ops[i]
+            if type(item) is FB:
+                self.pos[r], self.now[r] = i, t_now
+                if not self.run_fb(r, item):
+                    return
+                i, t_now = i + 1, self.now[r]
+                continue
+            kind, c, s, m = item
+            waits, made, dur, holds, frees = templates[kind][c * S + s]
+            off = m + m
+            t = 0.0
+            for key, hop, owner in waits:
+                v = end_of[key + off]
+                if v < 0:
+                    waiters.setdefault(key + off, []).append(r)
+                    self.blocked_on[r] = (key + off, owner)
+                    t = -1.0
+                    break
+                v += hop
+                if v > t:
+                    t = v
+            if t < 0:  # parked on a missing input
+                break
+            start = t_now if t_now > t else t
+            t_now = start + dur
+            if holds or frees:
+                self.count(r, holds, frees)
+            if made >= 0:
+                self.make(made + off, t_now)
+            if record:
+                events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
+            if starts_out is not None:
+                starts_out[r].append(start)
+                self.ends_out[r].append(t_now)
+            if self.first[r] is None:
+                self.first[r] = start
+            self.busy[r] += dur
+            i += 1
+        self.pos[r], self.now[r] = i, t_now
+
+    def count(self, r: int, holds: int, frees: int) -> None:
+        """Activations: ``holds`` units from the op's start, ``frees`` released at its end."""
+        live = self.live[r] + holds
+        if live > self.peak[r]:
+            self.peak[r] = live
+        self.live[r] = live - frees
+
+    def make(self, key: int, end: float) -> None:
+        self.end_of[key] = end
+        w = self.waiters.pop(key, None)
+        if w:
+            self.stack.extend(w)
+
+    def ready(self, waits: tuple, off: int, r: int) -> float:
+        """Earliest start the inputs allow, or -1 after parking rank ``r`` on the first missing one."""
+        t = 0.0
+        for key, hop, owner in waits:
+            v = self.end_of[key + off]
+            if v < 0:
+                self.waiters.setdefault(key + off, []).append(r)
+                self.blocked_on[r] = (key + off, owner)
+                return -1.0
+            v += hop
+            if v > t:
+                t = v
+        return t
+
+    def run_fb(self, r: int, item: FB) -> bool:
+        """An FB unit: both parts' inputs, one cost, both parts' signals at its end. False if parked."""
+        (fk, fc, fs, fm), (bk, bc, bs, bm) = item
+        wf, mf, _, hf, ff = self.templates[fk][fc * self.S + fs]
+        wb, mb_, _, hb, fbb = self.templates[bk][bc * self.S + bs]
+        t1 = self.ready(wf, fm + fm, r)
+        if t1 < 0:
+            return False
+        t = self.ready(wb, bm + bm, r)
+        if t < 0:
+            return False
+        start = max(self.now[r], t, t1)
+        dur = self.fb_cost(fs, bk, bs)
+        end = start + dur
+        self.count(r, hf + hb, ff + fbb)
+        for made, m in ((mf, fm), (mb_, bm)):
+            if made >= 0:
+                self.make(made + m + m, end)
+        if self.record:
+            self.events.append(TimelineEvent(r, "FB", fc, fs, fm, start, end, (bk, bc, bs, bm)))
+        if self.starts_out is not None:
+            self.starts_out[r].append(start)
+            self.ends_out[r].append(end)
+        if self.first[r] is None:
+            self.first[r] = start
+        self.busy[r] += dur
+        self.now[r] = end
+        return True
 
 
 def _deadlock_message(rank_ops, pos, blocked_on, stuck, S: int, M: int) -> str:

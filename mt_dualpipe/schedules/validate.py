@@ -23,9 +23,8 @@ from __future__ import annotations
 from ._perf import gc_paused
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
+from .ops import BACKWARD_KINDS, COMM_SHAPES, COMPLETE_SETS, COMPUTE_KINDS, SENDS_TO, OpKind, OpTable, Signal
 from .simulate import run_schedule
-
-_KINDS = ("F", "B", "W", "BW")
 
 
 def _check_header(schedule: Schedule) -> None:
@@ -45,44 +44,65 @@ def _check_header(schedule: Schedule) -> None:
 
 
 def check_structure(schedule: Schedule) -> None:
-    """Exactly-once ops on the placement's ranks, well-formed FB pairs (no dependency check)."""
+    """Exactly-once ops on the placement's ranks, well-formed FB pairs (no dependency check).
+
+    Public so that lowering, simulation and users can check a hand-made schedule's shape without
+    walking its dependencies.
+    """
     _check_header(schedule)
-    M = schedule.num_microbatches
     placement = schedule.placement
-    C, S = len(placement), len(placement[0])
-    n = C * S * M
-    seen = {k: bytearray(n) for k in _KINDS}
-    chain_of = schedule.microbatch_chain
+    n = len(placement) * len(placement[0]) * schedule.num_microbatches
+    seen = {k: bytearray(n) for k in COMPUTE_KINDS}
     for r, ops in enumerate(schedule.ranks):
         for i, item in enumerate(ops):
-            t = type(item)
-            if t is FB:
-                f, b = item.f, item.b
-                if type(f) is not Op or type(b) is not Op or f.kind != "F" or b.kind not in ("B", "BW"):
-                    raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs an F with a B or BW")
-                if f.mb == b.mb:
-                    raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs two different micro-batches")
-                parts = (f, b)
-            elif t is Op:
-                parts = (item,)
-            else:
-                raise ScheduleError(f"rank {r} op {i}: expected an Op or FB, got {item!r}")
-            for op in parts:
-                kind, c, s, m = op
-                arr = seen.get(kind)
-                if arr is None:
-                    raise ScheduleError(f"rank {r} op {i} {op}: unknown kind {kind!r}; allowed F, B, W, BW, FB")
-                if not (0 <= c < C and 0 <= s < S and 0 <= m < M) or chain_of[m] != c or placement[c][s] != r:
-                    raise ScheduleError(_misplaced(r, i, op, schedule))
-                u = (c * S + s) * M + m
-                if arr[u]:
-                    raise ScheduleError(f"rank {r} op {i} {op}: duplicate, {_where(schedule, op)}")
-                arr[u] = 1
-    sf, sb, sw, sbw = seen["F"], seen["B"], seen["W"], seen["BW"]
-    for m, c in enumerate(chain_of):
+            for op in _item_parts(r, i, item):
+                _mark(schedule, seen, r, i, op)
+    _check_complete(schedule, seen)
+
+
+def _item_parts(r: int, i: int, item: object) -> tuple[Op, ...]:
+    """The plain ops of a schedule entry, or ScheduleError for anything that is not an op or FB."""
+    t = type(item)
+    if t is Op:
+        return (item,)
+    if t is not FB:
+        raise ScheduleError(f"rank {r} op {i}: expected an Op or FB, got {item!r}")
+    f, b = item.f, item.b
+    if type(f) is not Op or type(b) is not Op or f.kind != OpKind.F or b.kind not in BACKWARD_KINDS:
+        raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs an F with a B or BW")
+    if f.mb == b.mb:
+        raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs two different micro-batches")
+    return (f, b)
+
+
+def _mark(schedule: Schedule, seen: dict[str, bytearray], r: int, i: int, op: Op) -> None:
+    """Record ``op`` as present, checking its kind, its rank and that it is not a duplicate."""
+    kind, c, s, m = op
+    arr = seen.get(kind)
+    if arr is None:
+        raise ScheduleError(f"rank {r} op {i} {op}: unknown kind {kind!r}; allowed F, B, W, BW, FB")
+    placement, M = schedule.placement, schedule.num_microbatches
+    C, S = len(placement), len(placement[0])
+    if not (0 <= c < C and 0 <= s < S and 0 <= m < M) or schedule.microbatch_chain[m] != c \
+            or placement[c][s] != r:
+        raise ScheduleError(_misplaced(r, i, op, schedule))
+    u = (c * S + s) * M + m
+    if arr[u]:
+        raise ScheduleError(f"rank {r} op {i} {op}: duplicate, {_where(schedule, op)}")
+    arr[u] = 1
+
+
+def _check_complete(schedule: Schedule, seen: dict[str, bytearray]) -> None:
+    """Every (chain, stage, micro-batch) runs one of ``ops.COMPLETE_SETS`` of kinds, exactly."""
+    placement, M = schedule.placement, schedule.num_microbatches
+    S = len(placement[0])
+    sf, sb, sw, sbw = seen[OpKind.F], seen[OpKind.B], seen[OpKind.W], seen[OpKind.BW]
+    bit = {OpKind.F: 1, OpKind.B: 2, OpKind.W: 4, OpKind.BW: 8}
+    complete = {sum(bit[k] for k in kinds) for kinds in COMPLETE_SETS}
+    for m, c in enumerate(schedule.microbatch_chain):
         for s in range(S):
             u = (c * S + s) * M + m
-            if sf[u] and ((sbw[u] and not sb[u] and not sw[u]) or (sb[u] and sw[u] and not sbw[u])):
+            if sf[u] | sb[u] << 1 | sw[u] << 2 | sbw[u] << 3 in complete:
                 continue
             r = placement[c][s]
             if not sf[u]:
@@ -148,9 +168,6 @@ def validate_program(program: Program) -> None:
     batch_keys: list[list[list[tuple[int, int, bool]]]] = []  # per rank, per batch: (key, peer, is send)
     # per channel src * P + dst: the keys sent, the keys received, in program order
     channels: list[tuple[list[int], list[int]]] = [([], []) for _ in range(P * P)]
-    # comm kind -> (offset of the producing stage, offset of the peer's stage, data bit, is a send)
-    shapes = {"SEND_F": (0, 1, 0, True), "RECV_F": (-1, -1, 0, False),
-              "SEND_B": (0, -1, 1, True), "RECV_B": (1, 1, 1, False)}
     chain_of = view.microbatch_chain
     C = len(placement)
     for r, prog in enumerate(progs):
@@ -164,11 +181,11 @@ def validate_program(program: Program) -> None:
             keys: list[tuple[int, int, bool]] = []
             for cm in ins.ops:
                 kind, peer, c, s, m = cm
-                shape = shapes.get(kind)
+                shape = COMM_SHAPES.get(kind)
                 if shape is None:
                     raise ScheduleError(f"rank {r} instruction {i} {cm}: unknown comm kind; "
                                         "allowed SEND_F, RECV_F, SEND_B, RECV_B")
-                dps, dnx, bit, is_send = shape
+                _, dps, dnx, bit, is_send = shape
                 nxt = s + dnx
                 if not (0 <= c < C and 0 <= s < S and 0 <= nxt < S and 0 <= m < M) \
                         or placement[c][s] != r or placement[c][nxt] != peer or peer == r or chain_of[m] != c:
@@ -188,21 +205,7 @@ def validate_program(program: Program) -> None:
             keys_r.append(keys)
         batch_keys.append(keys_r)
 
-    # every cross-rank edge has both ends
-    for c, chain in enumerate(placement):
-        for m in range(M):
-            if view.microbatch_chain[m] != c:
-                continue
-            for s in range(S - 1):
-                if chain[s] == chain[s + 1]:
-                    continue
-                for key in (2 * ((c * S + s) * M + m), 2 * ((c * S + s + 1) * M + m) + 1):
-                    if send_batch[key] < 0:
-                        raise ScheduleError(f"no send for {_data_name(key, S, M)} to rank "
-                                            f"{chain[s + 1] if key % 2 == 0 else chain[s]}")
-                    if recv_batch[key] < 0:
-                        raise ScheduleError(f"no receive for {_data_name(key, S, M)} on rank "
-                                            f"{chain[s + 1] if key % 2 == 0 else chain[s]}")
+    _check_both_ends(view, send_batch, recv_batch)
     for ch, (sends, recvs) in enumerate(channels):
         if sends != recvs:
             k = next((k for k, (a, b) in enumerate(zip(sends, recvs)) if a != b), min(len(sends), len(recvs)))
@@ -217,6 +220,26 @@ def validate_program(program: Program) -> None:
     _rendezvous_run(program, view, batch_keys, send_batch, recv_batch, nkeys)
 
 
+def _check_both_ends(view: Schedule, send_batch: list[int], recv_batch: list[int]) -> None:
+    """Every signal that ``ops`` says travels to a stage on another rank has a send and a receive."""
+    placement, M = view.placement, view.num_microbatches
+    S = len(placement[0])
+    for c, chain in enumerate(placement):
+        mbs = view.microbatches_of(c)
+        for sig, d in SENDS_TO.items():
+            bit = int(sig is Signal.GRAD)
+            for s in range(S):
+                t = s + d
+                if not 0 <= t < S or chain[s] == chain[t]:
+                    continue
+                for m in mbs:
+                    key = 2 * ((c * S + s) * M + m) + bit
+                    if send_batch[key] < 0:
+                        raise ScheduleError(f"no send for {_data_name(key, S, M)} to rank {chain[t]}")
+                    if recv_batch[key] < 0:
+                        raise ScheduleError(f"no receive for {_data_name(key, S, M)} on rank {chain[t]}")
+
+
 def _bad_comm(r: int, i: int, cm, placement, chain_of, S: int, M: int) -> str:
     """The message for a comm op that is on the wrong rank or talks to the wrong peer."""
     loc = f"rank {r} instruction {i} {cm}"
@@ -227,126 +250,132 @@ def _bad_comm(r: int, i: int, cm, placement, chain_of, S: int, M: int) -> str:
     chain = placement[cm.chain]
     if chain[cm.stage] != r:
         return f"{loc}: rank {r} does not run chain {cm.chain} stage {cm.stage}"
-    nxt = cm.stage + (1 if cm.kind in ("SEND_F", "RECV_B") else -1)
+    nxt = cm.stage + COMM_SHAPES[cm.kind].peer_offset
     if not 0 <= nxt < S:
         return f"{loc}: there is no stage {nxt} to talk to"
     return f"{loc}: peer should be rank {chain[nxt]} (stage {nxt})"
 
 
 def _rendezvous_run(program: Program, view: Schedule, batch_keys, send_batch, recv_batch, nkeys: int) -> None:
-    """Execute the program under rendezvous semantics, checking data order on the way."""
-    P, M = view.num_ranks, view.num_microbatches
-    placement = view.placement
-    S = len(placement[0])
+    """Execute the program under rendezvous semantics, checking data order on the way.
+
+    Compute ops wait for the signals ``ops`` says they need: a local one must already be made, a
+    remote one must have its receive posted earlier on this rank and its batch completed.
+    """
+    P = view.num_ranks
     progs = program.ranks
-    done = bytearray(nkeys)  # data produced (F output / B input-grad), by its key
-    w_ready = bytearray(nkeys // 2)  # B done locally (W may run)
-    paired = bytearray(nkeys)  # transfer completed
-    posted_recv = bytearray(nkeys)
-    pending = [[len(k) for k in kr] for kr in batch_keys]
-    head = [0] * P
-    posted = [0] * P
-    pc = [0] * P
-    stuck_on: dict[int, tuple[int, int]] = {}
+    run = _Rendezvous(program, view, batch_keys, send_batch, recv_batch, nkeys)
     ranks_to_run = list(range(P))
     heads: list[int] = []
-
-    def fail(r: int, i: int, what: str) -> None:
-        raise ScheduleError(f"rank {r} instruction {i} {progs[r][i]}: {what}")
-
     while ranks_to_run or heads:
         while ranks_to_run:
-            r = ranks_to_run.pop()
-            prog = progs[r]
-            i = pc[r]
-            n = len(prog)
-            h = head[r]
-            while i < n:
-                ins = prog[i]
-                if type(ins) is CommBatch:
-                    b = posted[r]
-                    for key, _, is_send in batch_keys[r][b]:
-                        if is_send:
-                            if not done[key]:
-                                fail(r, i, f"sends {_data_name(key, S, M)} before it is computed")
-                        else:
-                            posted_recv[key] = 1
-                    posted[r] = b + 1
-                    if b == h:
-                        heads.append(r)
-                    i += 1
-                    continue
-                blocked = False
-                for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
-                    kind, c, s, m = op
-                    u = (c * S + s) * M + m
-                    chain = placement[c]
-                    if kind == "W":
-                        if not w_ready[u]:
-                            fail(r, i, f"waits for B(c{c},s{s},m{m}), which rank {r} runs later or never")
-                        continue
-                    if kind == "F":
-                        if s == 0:
-                            continue
-                        key, other = 2 * (u - M), chain[s - 1]
-                    else:
-                        if not done[2 * u]:
-                            fail(r, i, f"waits for F(c{c},s{s},m{m}), which rank {r} runs later or never")
-                        if s + 1 == S:
-                            continue
-                        key, other = 2 * (u + M) + 1, chain[s + 1]
-                    if other == r:
-                        if not done[key]:
-                            fail(r, i, f"waits for {_data_name(key, S, M)}, which rank {r} runs later or never")
-                    elif not posted_recv[key]:
-                        fail(r, i, f"needs {_data_name(key, S, M)} but its receive is not posted before it")
-                    elif recv_batch[key] >= h:
-                        blocked = True
-                        stuck_on[r] = (key, other)  # formatted only if the run ends stuck
-                        break
-                if blocked:
-                    break
-                for op in ((ins.f, ins.b) if type(ins) is FB else (ins,)):
-                    kind, c, s, m = op
-                    u = (c * S + s) * M + m
-                    if kind == "F":
-                        done[2 * u] = 1
-                    elif kind != "W":
-                        done[2 * u + 1] = 1
-                        w_ready[u] = 1
-                i += 1
-            pc[r] = i
+            run.advance(ranks_to_run.pop(), heads)
         while heads:
-            r = heads.pop()
-            b = head[r]
-            if b >= posted[r]:
-                continue
-            for key, r2, is_send in batch_keys[r][b]:
-                if paired[key]:
-                    continue
-                b2 = recv_batch[key] if is_send else send_batch[key]
-                if b2 != head[r2] or b2 >= posted[r2]:
-                    continue
-                paired[key] = 1
-                pending[r][b] -= 1
-                pending[r2][b2] -= 1
-                if pending[r2][b2] == 0 and r2 != r:
-                    head[r2] += 1
-                    heads.append(r2)
-                    ranks_to_run.append(r2)
-            if pending[r][b] == 0 and head[r] == b:
-                head[r] += 1
-                heads.append(r)
-                ranks_to_run.append(r)
+            run.complete_head(heads.pop(), heads, ranks_to_run)
 
-    stuck = [r for r in range(P) if pc[r] < len(progs[r]) or head[r] < len(batch_keys[r])]
+    stuck = [r for r in range(P) if run.pc[r] < len(progs[r]) or run.head[r] < len(batch_keys[r])]
     if stuck:
-        lines = []
-        for r in stuck:
-            if pc[r] < len(progs[r]):
-                key, other = stuck_on[r]
-                lines.append(f"rank {r} instruction {pc[r]} {progs[r][pc[r]]} waits for comm batch {recv_batch[key]} "
-                             f"(the receive of {_data_name(key, S, M)} from rank {other}) to complete")
-            else:
-                lines.append(f"rank {r} comm batch {head[r]} never completes")
-        raise ScheduleError("deadlock under rendezvous point-to-point semantics:\n  " + "\n  ".join(lines))
+        raise ScheduleError("deadlock under rendezvous point-to-point semantics:\n  "
+                            + "\n  ".join(run.stuck_line(r) for r in stuck))
+
+
+class _Rendezvous:
+    """State of the rendezvous execution: what is made, posted, paired; where each rank stands."""
+
+    def __init__(self, program: Program, view: Schedule, batch_keys, send_batch, recv_batch, nkeys: int) -> None:
+        P = view.num_ranks
+        self.S, self.M = len(view.placement[0]), view.num_microbatches
+        self.progs = program.ranks
+        self.templates = OpTable(view.placement, self.M).templates()
+        self.batch_keys, self.send_batch, self.recv_batch = batch_keys, send_batch, recv_batch
+        self.done = bytearray(nkeys)  # signal made (F output / B input-grad), by its key
+        self.paired = bytearray(nkeys)  # transfer completed
+        self.posted_recv = bytearray(nkeys)
+        self.pending = [[len(k) for k in kr] for kr in batch_keys]
+        self.head = [0] * P
+        self.posted = [0] * P
+        self.pc = [0] * P
+        self.stuck_on: dict[int, tuple[int, int]] = {}
+
+    def fail(self, r: int, i: int, what: str) -> None:
+        raise ScheduleError(f"rank {r} instruction {i} {self.progs[r][i]}: {what}")
+
+    def advance(self, r: int, heads: list[int]) -> None:
+        """Run rank ``r`` until it finishes or a compute op waits for an incomplete receive."""
+        prog = self.progs[r]
+        i, n = self.pc[r], len(prog)
+        templates, S, done = self.templates, self.S, self.done
+        while i < n:
+            ins = prog[i]
+            if type(ins) is CommBatch:
+                self.post(r, i, heads)
+                i += 1
+                continue
+            parts = (ins.f, ins.b) if type(ins) is FB else (ins,)
+            for kind, c, s, m in parts:  # inputs, as ops defines them (hot loop: locals only)
+                for key, owner, _ in templates[kind][c * S + s][0]:
+                    key += m + m
+                    if owner == r:
+                        if not done[key]:
+                            self.fail_missing(r, i, key, owner)
+                    elif not self.posted_recv[key]:
+                        self.fail_missing(r, i, key, owner)
+                    elif self.recv_batch[key] >= self.head[r]:
+                        self.stuck_on[r] = (key, owner)  # formatted only if the run ends stuck
+                        self.pc[r] = i
+                        return
+            for kind, c, s, m in parts:
+                for key in templates[kind][c * S + s][1]:
+                    done[key + m + m] = 1
+            i += 1
+        self.pc[r] = i
+
+    def post(self, r: int, i: int, heads: list[int]) -> None:
+        b = self.posted[r]
+        for key, _, is_send in self.batch_keys[r][b]:
+            if not is_send:
+                self.posted_recv[key] = 1
+            elif not self.done[key]:
+                self.fail(r, i, f"sends {_data_name(key, self.S, self.M)} before it is computed")
+        self.posted[r] = b + 1
+        if b == self.head[r]:
+            heads.append(r)
+
+    def fail_missing(self, r: int, i: int, key: int, owner: int) -> None:
+        """Raise for an input that is neither made locally nor received earlier on this rank."""
+        name = _data_name(key, self.S, self.M)
+        if owner == r:
+            self.fail(r, i, f"waits for {name}, which rank {r} runs later or never")
+        self.fail(r, i, f"needs {name} but its receive is not posted before it")
+
+    def complete_head(self, r: int, heads: list[int], ranks_to_run: list[int]) -> None:
+        """Pair the transfers of rank ``r``'s head batch whose other end is at its rank's head."""
+        b = self.head[r]
+        if b >= self.posted[r]:
+            return
+        head, pending = self.head, self.pending
+        for key, r2, is_send in self.batch_keys[r][b]:
+            if self.paired[key]:
+                continue
+            b2 = self.recv_batch[key] if is_send else self.send_batch[key]
+            if b2 != head[r2] or b2 >= self.posted[r2]:
+                continue
+            self.paired[key] = 1
+            pending[r][b] -= 1
+            pending[r2][b2] -= 1
+            if pending[r2][b2] == 0 and r2 != r:
+                head[r2] += 1
+                heads.append(r2)
+                ranks_to_run.append(r2)
+        if pending[r][b] == 0 and head[r] == b:
+            head[r] += 1
+            heads.append(r)
+            ranks_to_run.append(r)
+
+    def stuck_line(self, r: int) -> str:
+        if self.pc[r] < len(self.progs[r]):
+            key, other = self.stuck_on[r]
+            return (f"rank {r} instruction {self.pc[r]} {self.progs[r][self.pc[r]]} waits for comm batch "
+                    f"{self.recv_batch[key]} (the receive of {_data_name(key, self.S, self.M)} from rank {other}) "
+                    "to complete")
+        return f"rank {r} comm batch {self.head[r]} never completes"
