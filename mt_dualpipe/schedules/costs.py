@@ -6,7 +6,9 @@ its chain. ``fb`` is the time of an overlapped F&B unit that pairs an F with a f
 F + (B or BW): the overlap hides communication, not compute. ``a2a_f``/``a2a_b`` are the
 exposed expert-parallel all-to-all of a lone F / B (or BW); inside an FB unit they are hidden.
 ``comm`` is the point-to-point latency of one hop between different ranks (indexed by the
-sending stage when a list).
+sending stage when a list). ``dp_sync`` is the time of one stage's data-parallel gradient
+reduction (a ``REDUCE_GRAD`` op): it runs on the communication stream, so only the part that
+outlasts the rank's remaining compute is exposed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Union
 from .errors import ScheduleError
 from .ops import OpKind
 
+COST_FIELDS = ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b", "dp_sync")
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
@@ -31,6 +34,7 @@ class Costs:
     comm: PerStage = 0.0
     a2a_f: PerStage = 0.0
     a2a_b: PerStage = 0.0
+    dp_sync: PerStage = 0.0
 
     @classmethod
     def uniform(cls, f: float = 1.0, b: float = 1.0, w: float = 1.0, **kw: PerStage) -> Costs:
@@ -58,7 +62,7 @@ class Costs:
                 return v * factor
             return [x * factor for x in v]
 
-        return Costs(**{k: mul(getattr(self, k)) for k in ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b")})
+        return Costs(**{k: mul(getattr(self, k)) for k in COST_FIELDS})
 
     def per_stage(self, num_stages: int) -> StageCosts:
         """Expand every field to a list of ``num_stages`` floats, checking lengths and signs."""
@@ -82,6 +86,7 @@ class Costs:
         return StageCosts(
             f=f, b=b, w=w, fb=expand("fb", self.fb), comm=expand("comm", self.comm),
             a2a_f=expand("a2a_f", self.a2a_f), a2a_b=expand("a2a_b", self.a2a_b),
+            dp_sync=expand("dp_sync", self.dp_sync),
         )
 
     def describe(self) -> str:
@@ -95,7 +100,7 @@ class Costs:
         text = f"F={fmt(self.f)} B={fmt(self.b)} W={fmt(self.w)}"
         if self.fb is not None:
             text += f" FB={fmt(self.fb)}"
-        for name in ("comm", "a2a_f", "a2a_b"):
+        for name in ("comm", "a2a_f", "a2a_b", "dp_sync"):
             value = getattr(self, name)
             if value != 0.0:
                 text += f" {name}={fmt(value)}"
@@ -113,6 +118,7 @@ class StageCosts:
     comm: list[float]
     a2a_f: list[float]
     a2a_b: list[float]
+    dp_sync: list[float]
 
     def fb_cost(self, f_stage: int, b_kind: str, b_stage: int) -> float:
         """Cost of an overlapped F&B unit: all-to-all hidden, ``fb`` if given.

@@ -15,7 +15,7 @@ import json
 
 from .errors import ScheduleError
 from .ir import FB, SCHEDULE_FORMAT, ComputeItem, Op, Schedule
-from .ops import BACKWARD_KINDS, COMPUTE_KINDS, OpKind
+from .ops import BACKWARD_KINDS, COMPUTE_KINDS, STAGE_KINDS, OpKind
 
 
 def _op_to_dict(op: Op) -> dict:
@@ -49,8 +49,8 @@ def _op_from_dict(d: object, where: str) -> Op:
     if not isinstance(d, dict):
         raise ScheduleError(f"{where}: an op must be an object, got {d!r}")
     kind = d.get("op")
-    if kind not in COMPUTE_KINDS:
-        raise ScheduleError(f"{where}: op must be one of F, B, W, BW, FB, got {kind!r}")
+    if kind not in COMPUTE_KINDS and kind not in STAGE_KINDS:
+        raise ScheduleError(f"{where}: op must be one of F, B, W, BW, FB, REDUCE_GRAD, got {kind!r}")
     try:
         return Op(OpKind(kind), int(d["chain"]), int(d["stage"]), int(d["mb"]))
     except (KeyError, TypeError, ValueError) as exc:

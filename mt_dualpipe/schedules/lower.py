@@ -21,6 +21,7 @@ from bisect import bisect_left
 
 from ._perf import gc_paused
 from .costs import Costs
+from .data_parallel import add_grad_reduction
 from .ir import FB, Comm, CommBatch, Instruction, Program, Schedule
 from .ops import RULES, SEND_RECV
 from .simulate import run_schedule
@@ -50,12 +51,16 @@ def _routes(placement: tuple[tuple[int, ...], ...]) -> dict[str, list[tuple | No
 
 
 @gc_paused
-def lower(schedule: Schedule, check: bool = True) -> Program:
+def lower(schedule: Schedule, check: bool = True, data_parallel: bool = False) -> Program:
     """Lower ``schedule`` into a ``Program`` with SEND_F/RECV_F/SEND_B/RECV_B batches.
 
     With ``check`` (the default) the schedule's structure is validated first; the reference
     execution itself proves the compute order deadlock-free (it raises ``ScheduleError`` if not).
+    ``data_parallel`` first applies ``data_parallel.add_grad_reduction``: one ``REDUCE_GRAD`` per
+    stage right after its last weight-gradient op.
     """
+    if data_parallel:
+        schedule = add_grad_reduction(schedule)
     if check:
         check_structure(schedule)
     P = schedule.num_ranks

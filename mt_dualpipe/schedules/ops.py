@@ -49,6 +49,7 @@ class OpKind(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     COMM = "COMM"
+    REDUCE_GRAD = "REDUCE_GRAD"
 
     __hash__ = str.__hash__  # C-level hash, equal to the plain string's: keys mix freely, lookups stay fast
 
@@ -61,9 +62,14 @@ class OpKind(str, Enum):
 
 F, B, W, BW, FB = OpKind.F, OpKind.B, OpKind.W, OpKind.BW, OpKind.FB
 SEND_F, RECV_F, SEND_B, RECV_B = OpKind.SEND_F, OpKind.RECV_F, OpKind.SEND_B, OpKind.RECV_B
+REDUCE_GRAD = OpKind.REDUCE_GRAD
 
 COMPUTE_KINDS: tuple[OpKind, ...] = (F, B, W, BW)
 """Kinds of a plain compute ``Op`` (an ``FB`` pairs two of them)."""
+STAGE_KINDS: tuple[OpKind, ...] = (REDUCE_GRAD,)
+"""Kinds that act once per (chain, stage) and step, not per micro-batch (their ``mb`` is 0)."""
+WEIGHT_GRAD_KINDS: tuple[OpKind, ...] = (W, BW)
+"""Kinds after which a micro-batch's weight gradient is accumulated."""
 BACKWARD_KINDS: tuple[OpKind, ...] = (B, BW)
 """Kinds that produce an input-gradient (B alone, or B and W fused)."""
 COMM_KINDS: tuple[OpKind, ...] = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -106,6 +112,9 @@ class KindRule:
     produces, or None. ``holds``/``frees``: activation units added when it starts / released when
     it ends. ``cost``: its time under ``StageCosts`` for its stage, exposed all-to-all included.
     ``sends_to``: the stage offset its signal travels to (+1 downstream, -1 upstream).
+    ``stream``: "compute" (occupies the rank) or "collective" (posted without blocking the rank,
+    run on its communication stream in post order, complete once every chain's copy of the stage
+    has posted — a data-parallel gradient reduction over the stage's replicas).
     """
 
     kind: OpKind
@@ -115,6 +124,7 @@ class KindRule:
     frees: int
     cost: Callable[[StageCosts, int], float]
     sends_to: int = 0
+    stream: str = "compute"
 
 
 RULES: dict[str, KindRule] = {
@@ -122,6 +132,9 @@ RULES: dict[str, KindRule] = {
     B: KindRule(B, ((ACT, 0), (GRAD, +1)), GRAD, 0, 0, lambda c, s: c.b[s] + c.a2a_b[s], sends_to=-1),
     W: KindRule(W, ((GRAD, 0),), None, 0, 1, lambda c, s: c.w[s]),
     BW: KindRule(BW, ((ACT, 0), (GRAD, +1)), GRAD, 0, 1, lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s], sends_to=-1),
+    # one per (chain, stage) and step, placed after the stage's last W/BW on its rank (program
+    # order is its only local input); see passes.add_grad_reduction
+    REDUCE_GRAD: KindRule(REDUCE_GRAD, (), None, 0, 0, lambda c, s: c.dp_sync[s], stream="collective"),
 }
 """One entry per compute kind; keyed by the plain string so that ``RULES[op.kind]`` is one dict hit."""
 
@@ -257,6 +270,10 @@ class CompiledOp:
     frees: int
 
 
+COLLECTIVE = -2
+"""``OpTable.walk_table``'s ``made`` for a collective op: posted without blocking the rank."""
+
+
 class OpTable:
     """The dependency rule compiled for one placement: flat signal keys, producing ranks, costs.
 
@@ -331,7 +348,8 @@ class OpTable:
         """``templates`` shaped for an event walk: per kind, per ``c * S + s``,
         (waits, made, cost, holds, frees) where each wait is (key, hop, rank) — ``hop`` the
         latency added when the producer is on another rank (``latency[producing stage]``, else 0)
-        — and ``made`` is the one key a plain op makes, or -1.
+        — and ``made`` is the one key a plain op makes, -1 for none, or ``COLLECTIVE`` for a kind
+        posted to the communication stream (``KindRule.stream == "collective"``).
         """
         out: dict[str, list[tuple]] = {}
         for kind, per in self.templates().items():
@@ -339,7 +357,10 @@ class OpTable:
             for cs, (waits, made, cost, holds, frees) in enumerate(per):
                 me = self.rank_of[cs]
                 hops = tuple((k, latency[st] if rk != me else 0.0, rk) for k, rk, st in waits)
-                rows.append((hops, made[0] if made else -1, cost, holds, frees))
+                if RULES[kind].stream == "collective":
+                    rows.append((hops, COLLECTIVE, cost, holds, frees))
+                else:
+                    rows.append((hops, made[0] if made else -1, cost, holds, frees))
             out[kind] = rows
         return out
 

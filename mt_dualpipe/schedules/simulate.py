@@ -15,7 +15,7 @@ from ._perf import gc_paused
 from .costs import Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
-from .ops import OpTable
+from .ops import COLLECTIVE, OpKind, OpTable
 from .timeline import Timeline, TimelineEvent
 
 
@@ -33,6 +33,7 @@ class SimResult:
     timeline: list[TimelineEvent] = field(repr=False)
     costs: Costs = field(default_factory=Costs, repr=False)
     rank_end: list[float] = field(default_factory=list, repr=False)  # when each rank's last op ends
+    dp_exposed: list[float] = field(default_factory=list, repr=False)  # reduction time past each rank's compute
 
     @property
     def span_bubble_rate(self) -> float:
@@ -71,7 +72,8 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
     walk = _Walk(schedule, costs.per_stage(len(placement[0])), record, starts_out, ends_out)
     walk.run()
-    P, now, busy = schedule.num_ranks, walk.now, walk.busy
+    P, busy = schedule.num_ranks, walk.busy
+    now = [max(t, walk.comm_end[r]) for r, t in enumerate(walk.now)]  # a step ends when its reductions do
     makespan = max(now) if P else 0.0
     span = [(now[r] - walk.first[r]) if walk.first[r] is not None else 0.0 for r in range(P)]
     idle = [makespan - b for b in busy]
@@ -80,6 +82,7 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         busy=busy, makespan_bubble=idle, span_bubble=[sp - b for sp, b in zip(span, busy)],
         peak_activations=walk.peak, bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
         timeline=walk.events, costs=costs, rank_end=list(now),
+        dp_exposed=[max(0.0, e - t) for e, t in zip(walk.comm_end, walk.now)],
     )
 
 
@@ -111,6 +114,8 @@ class _Walk:
         self.record = record
         self.starts_out, self.ends_out = starts_out, ends_out
         self.stack = list(range(P))
+        self.posts: list[tuple[int, int, int, float]] = []  # collective ops: (rank, chain, stage, post time)
+        self.dp_sync = sc.dp_sync
 
     def run(self) -> None:
         stack = self.stack
@@ -119,6 +124,24 @@ class _Walk:
         stuck = [r for r in range(len(self.rank_ops)) if self.pos[r] < len(self.rank_ops[r])]
         if stuck:
             raise ScheduleError(_deadlock_message(self.rank_ops, self.pos, self.blocked_on, stuck, self.S, self.M))
+        self.comm_end = self.run_collectives()
+
+    def run_collectives(self) -> list[float]:
+        """Complete the posted gradient reductions; return when each rank's comm stream is idle.
+
+        A stage's reduction sums every chain's copy of the stage (DualPipe's mirrored stages), so it
+        starts once all copies have posted; each rank runs its reductions in post order.
+        """
+        all_posted: dict[int, float] = {}
+        for _, _, s, t in self.posts:
+            all_posted[s] = max(all_posted.get(s, 0.0), t)
+        free = [0.0] * len(self.rank_ops)
+        for r, c, s, _ in self.posts:
+            start = max(free[r], all_posted[s])
+            free[r] = start + self.dp_sync[s]
+            if self.record:
+                self.events.append(TimelineEvent(r, OpKind.REDUCE_GRAD, c, s, 0, start, free[r], None, "comm"))
+        return free
 
     def advance(self, r: int) -> None:
         """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop)."""
@@ -156,6 +179,14 @@ class _Walk:
                 self.count(r, holds, frees)
             if made >= 0:
                 self.make(made + off, t_now)
+            elif made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
+                self.posts.append((r, c, s, start))
+                t_now = start
+                if starts_out is not None:
+                    starts_out[r].append(start)
+                    self.ends_out[r].append(start)
+                i += 1
+                continue
             if record:
                 events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
             if starts_out is not None:

@@ -23,7 +23,18 @@ from __future__ import annotations
 from ._perf import gc_paused
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
-from .ops import BACKWARD_KINDS, COMM_SHAPES, COMPLETE_SETS, COMPUTE_KINDS, SENDS_TO, OpKind, OpTable, Signal
+from .ops import (
+    BACKWARD_KINDS,
+    COMM_SHAPES,
+    COMPLETE_SETS,
+    COMPUTE_KINDS,
+    SENDS_TO,
+    STAGE_KINDS,
+    WEIGHT_GRAD_KINDS,
+    OpKind,
+    OpTable,
+    Signal,
+)
 from .simulate import run_schedule
 
 
@@ -53,11 +64,15 @@ def check_structure(schedule: Schedule) -> None:
     placement = schedule.placement
     n = len(placement) * len(placement[0]) * schedule.num_microbatches
     seen = {k: bytearray(n) for k in COMPUTE_KINDS}
+    stage_ops: list[tuple[int, int, Op]] = []
     for r, ops in enumerate(schedule.ranks):
         for i, item in enumerate(ops):
             for op in _item_parts(r, i, item):
-                _mark(schedule, seen, r, i, op)
+                if not _mark(schedule, seen, r, i, op):
+                    stage_ops.append((r, i, op))
     _check_complete(schedule, seen)
+    if stage_ops:
+        _check_reductions(schedule, stage_ops)
 
 
 def _item_parts(r: int, i: int, item: object) -> tuple[Op, ...]:
@@ -75,11 +90,16 @@ def _item_parts(r: int, i: int, item: object) -> tuple[Op, ...]:
     return (f, b)
 
 
-def _mark(schedule: Schedule, seen: dict[str, bytearray], r: int, i: int, op: Op) -> None:
-    """Record ``op`` as present, checking its kind, its rank and that it is not a duplicate."""
+def _mark(schedule: Schedule, seen: dict[str, bytearray], r: int, i: int, op: Op) -> bool:
+    """Record ``op`` as present, checking its kind, its rank and that it is not a duplicate.
+
+    False for a stage-level op (``ops.STAGE_KINDS``), which ``_check_reductions`` checks instead.
+    """
     kind, c, s, m = op
     arr = seen.get(kind)
     if arr is None:
+        if kind in STAGE_KINDS:
+            return False
         raise ScheduleError(f"rank {r} op {i} {op}: unknown kind {kind!r}; allowed F, B, W, BW, FB")
     placement, M = schedule.placement, schedule.num_microbatches
     C, S = len(placement), len(placement[0])
@@ -90,6 +110,33 @@ def _mark(schedule: Schedule, seen: dict[str, bytearray], r: int, i: int, op: Op
     if arr[u]:
         raise ScheduleError(f"rank {r} op {i} {op}: duplicate, {_where(schedule, op)}")
     arr[u] = 1
+    return True
+
+
+def _check_reductions(schedule: Schedule, stage_ops: list[tuple[int, int, Op]]) -> None:
+    """``REDUCE_GRAD``: exactly one per local stage on every rank, after that stage's last W/BW."""
+    found: dict[tuple[int, int], tuple[int, int]] = {}
+    for r, i, op in stage_ops:
+        c, s = op.chain, op.stage
+        if not (0 <= c < len(schedule.placement) and 0 <= s < len(schedule.placement[c])) \
+                or schedule.placement[c][s] != r:
+            raise ScheduleError(f"rank {r} op {i} {op}: rank {r} does not run chain {c} stage {s}")
+        if (c, s) in found:
+            raise ScheduleError(f"rank {r} op {i} {op}: duplicate, already at rank {r} op {found[(c, s)][1]}")
+        found[(c, s)] = (r, i)
+    for r, ops in enumerate(schedule.ranks):
+        last: dict[tuple[int, int], int] = {}
+        for i, item in enumerate(ops):
+            for op in (item.f, item.b) if type(item) is FB else (item,):
+                if op.kind in WEIGHT_GRAD_KINDS:
+                    last[(op.chain, op.stage)] = i
+        for cs in schedule.local_stages(r):
+            if cs not in found:
+                raise ScheduleError(f"rank {r}: stage (c{cs[0]},s{cs[1]}) has no REDUCE_GRAD; a data-parallel "
+                                    "schedule reduces every stage once (see data_parallel.add_grad_reduction)")
+            if found[cs][1] < last.get(cs, -1):
+                raise ScheduleError(f"rank {r} op {found[cs][1]} REDUCE_GRAD(c{cs[0]},s{cs[1]}) comes before "
+                                    f"that stage's last weight-gradient op (op {last[cs]}): its gradient is not final")
 
 
 def _check_complete(schedule: Schedule, seen: dict[str, bytearray]) -> None:
