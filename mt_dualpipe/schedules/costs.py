@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from . import ops as K
 from .errors import ScheduleError
-from .ops import OpKind
 
 COST_FIELDS = ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b", "dp_sync")
 Number = Union[int, float]
@@ -126,6 +126,6 @@ class StageCosts:
         A lone op's cost is its kind's rule in ``ops.RULES`` (``ops.op_cost``)."""
         if self.fb is not None:
             full = self.fb[f_stage]
-            return full if b_kind == OpKind.BW else max(0.0, full - self.w[b_stage])
-        back = self.b[b_stage] + (self.w[b_stage] if b_kind == OpKind.BW else 0.0)
+            return full if b_kind == K.BW else max(0.0, full - self.w[b_stage])
+        back = self.b[b_stage] + (self.w[b_stage] if b_kind == K.BW else 0.0)
         return self.f[f_stage] + back

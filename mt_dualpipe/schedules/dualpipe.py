@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from . import ops as K
 from . import placements
 from .errors import ScheduleError
 from .ir import FB, ComputeItem, Op, Schedule
-from .ops import OpKind
 from .registry import register
 
 
@@ -39,7 +39,7 @@ class _Stream:
         self.next_b = 0
 
     def f(self) -> Op:
-        op = Op(OpKind.F, self.chain, self.stage, self.mbs[self.next_f])
+        op = Op(K.F, self.chain, self.stage, self.mbs[self.next_f])
         self.next_f += 1
         return op
 
@@ -56,8 +56,8 @@ def bidirectional_order(own: _Stream, other: _Stream, h: int, n: int, per_stream
     deferred: deque[Op] = deque()
 
     def b_star(stream: _Stream) -> Op:
-        op = stream.b(OpKind.B)
-        deferred.append(Op(OpKind.W, op.chain, op.stage, op.mb))
+        op = stream.b(K.B)
+        deferred.append(Op(K.W, op.chain, op.stage, op.mb))
         return op
 
     for _ in range(2 * (n - h - 1)):  # 1
@@ -71,16 +71,16 @@ def bidirectional_order(own: _Stream, other: _Stream, h: int, n: int, per_stream
     steady = per_stream - steady_offset + h + 1
     for i in range(steady):  # 4
         if i == 0 and h == n - 1:  # the middle ranks cannot overlap their first pair
-            out += [own.f(), other.b(OpKind.BW)]
+            out += [own.f(), other.b(K.BW)]
         else:
-            out.append(FB(own.f(), other.b(OpKind.BW)))
-        out.append(FB(other.f(), own.b(OpKind.BW)))
+            out.append(FB(own.f(), other.b(K.BW)))
+        out.append(FB(other.f(), own.b(K.BW)))
     for _ in range(n - h - 1):  # 5
-        out.append(other.b(OpKind.BW))
-        out.append(FB(other.f(), own.b(OpKind.BW)))
+        out.append(other.b(K.BW))
+        out.append(FB(other.f(), own.b(K.BW)))
     tail = [other, own] * (h + 1)  # 6
     for j, stream in enumerate(tail):
-        out.append(stream.b(OpKind.BW) if j < h + 1 else b_star(stream))
+        out.append(stream.b(K.BW) if j < h + 1 else b_star(stream))
     for _ in range(n - h - 1):  # 7
         out.append(deferred.popleft())
         out.append(b_star(own))

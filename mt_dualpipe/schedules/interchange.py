@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from . import ops as K
 from .errors import ScheduleError
 from .ir import FB, SCHEDULE_FORMAT, ComputeItem, Op, Schedule
 from .ops import BACKWARD_KINDS, COMPUTE_KINDS, STAGE_KINDS, OpKind
@@ -58,9 +59,9 @@ def _op_from_dict(d: object, where: str) -> Op:
 
 
 def item_from_dict(d: object, where: str) -> ComputeItem:
-    if isinstance(d, dict) and d.get("op") == OpKind.FB:
+    if isinstance(d, dict) and d.get("op") == K.FB:
         f, b = _op_from_dict(d.get("f"), where + ".f"), _op_from_dict(d.get("b"), where + ".b")
-        if f.kind != OpKind.F or b.kind not in BACKWARD_KINDS:
+        if f.kind != K.F or b.kind not in BACKWARD_KINDS:
             raise ScheduleError(f"{where}: an FB pairs an F with a B or BW, got {f.kind} and {b.kind}")
         return FB(f, b)
     return _op_from_dict(d, where)

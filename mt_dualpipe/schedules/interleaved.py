@@ -15,10 +15,10 @@ only defines this order for M a multiple of P, and so does this module.
 
 from __future__ import annotations
 
+from . import ops as K
 from . import placements
 from .errors import ScheduleError
 from .ir import Op, Schedule
-from .ops import OpKind
 from .registry import register
 
 
@@ -35,13 +35,13 @@ def interleaved_order(rank: int, P: int, M: int, v: int) -> list[Op]:
     warmup = total if M == P else min(2 * (P - 1 - rank) + (v - 1) * P, total)
 
     def op(kind: str, k: int) -> Op:
-        chunk, mb = _virtual_step(k, P, v, kind == OpKind.F)
+        chunk, mb = _virtual_step(k, P, v, kind == K.F)
         return Op(kind, 0, chunk * P + rank, mb)
 
-    ops = [op(OpKind.F, k) for k in range(warmup)]
+    ops = [op(K.F, k) for k in range(warmup)]
     for k in range(total - warmup):
-        ops += [op(OpKind.F, warmup + k), op(OpKind.BW, k)]
-    ops += [op(OpKind.BW, k) for k in range(total - warmup, total)]
+        ops += [op(K.F, warmup + k), op(K.BW, k)]
+    ops += [op(K.BW, k) for k in range(total - warmup, total)]
     return ops
 
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
+from . import ops as K
 from .errors import ScheduleError
-from .ops import OpKind
 
 SCHEDULE_FORMAT = "mt-dualpipe.schedule/1"
 
@@ -38,7 +38,7 @@ class FB(NamedTuple):
 
     @property
     def kind(self) -> str:
-        return OpKind.FB
+        return K.FB
 
     def parts(self) -> tuple[Op, Op]:
         return (self.f, self.b)
@@ -72,7 +72,7 @@ class CommBatch(NamedTuple):
 
     @property
     def kind(self) -> str:
-        return OpKind.COMM
+        return K.COMM
 
     def __str__(self) -> str:
         return "COMM[" + ", ".join(str(c) for c in self.ops) + "]"
@@ -143,7 +143,7 @@ class Schedule:
     @property
     def splits_backward(self) -> bool:
         """True when any rank runs separate B and W ops."""
-        return any(p.kind == OpKind.W for ops in self.ranks for item in ops for p in compute_parts(item))
+        return any(p.kind == K.W for ops in self.ranks for item in ops for p in compute_parts(item))
 
     def ops(self, rank: int) -> Sequence[ComputeItem]:
         return self.ranks[rank]

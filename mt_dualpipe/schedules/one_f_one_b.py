@@ -8,9 +8,9 @@ rank 0), instead of GPipe's M; the bubble is the same (P-1)(F+B+W).
 
 from __future__ import annotations
 
+from . import ops as K
 from . import placements
 from .ir import Op, Schedule
-from .ops import OpKind
 from .registry import register
 
 
@@ -18,10 +18,10 @@ def one_f_one_b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
     """The 1F1B order of one rank of a single chain of ``num_ranks`` stages (stage = rank)."""
     M = num_microbatches
     warmup = min(num_ranks - 1 - rank, M)
-    ops = [Op(OpKind.F, 0, rank, m) for m in range(warmup)]
+    ops = [Op(K.F, 0, rank, m) for m in range(warmup)]
     for m in range(M - warmup):  # steady: F of the next micro-batch, BW of the oldest
-        ops += [Op(OpKind.F, 0, rank, warmup + m), Op(OpKind.BW, 0, rank, m)]
-    ops += [Op(OpKind.BW, 0, rank, m) for m in range(M - warmup, M)]  # drain
+        ops += [Op(K.F, 0, rank, warmup + m), Op(K.BW, 0, rank, m)]
+    ops += [Op(K.BW, 0, rank, m) for m in range(M - warmup, M)]  # drain
     return ops
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import ops as K
 from ._perf import gc_paused
 from .costs import Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
-from .ops import COLLECTIVE, OpKind, OpTable
+from .ops import COLLECTIVE, OpTable
 from .timeline import Timeline, TimelineEvent
 
 
@@ -97,10 +98,6 @@ class _Walk:
         self.fb_cost = sc.fb_cost
         self.templates = OpTable(placement, self.M, sc).walk_table(sc.comm)
         self.rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
-        for r, ops in enumerate(self.rank_ops):
-            for i, item in enumerate(ops):
-                if type(item) is not FB and item.kind not in self.templates:
-                    raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; allowed F, B, W, BW, FB")
         self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M)
         self.waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
         self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank)
@@ -119,8 +116,16 @@ class _Walk:
 
     def run(self) -> None:
         stack = self.stack
-        while stack:
-            self.advance(stack.pop())
+        try:
+            while stack:
+                self.advance(stack.pop())
+        except KeyError as exc:  # an op kind the op table does not know
+            for r, ops in enumerate(self.rank_ops):
+                for i, item in enumerate(ops):
+                    if type(item) is not FB and item.kind not in self.templates:
+                        raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; "
+                                            "allowed F, B, W, BW, FB, REDUCE_GRAD") from exc
+            raise
         stuck = [r for r in range(len(self.rank_ops)) if self.pos[r] < len(self.rank_ops[r])]
         if stuck:
             raise ScheduleError(_deadlock_message(self.rank_ops, self.pos, self.blocked_on, stuck, self.S, self.M))
@@ -140,22 +145,27 @@ class _Walk:
             start = max(free[r], all_posted[s])
             free[r] = start + self.dp_sync[s]
             if self.record:
-                self.events.append(TimelineEvent(r, OpKind.REDUCE_GRAD, c, s, 0, start, free[r], None, "comm"))
+                self.events.append(TimelineEvent(r, K.REDUCE_GRAD, c, s, 0, start, free[r], None, "comm"))
         return free
 
     def advance(self, r: int) -> None:
-        """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop)."""
-        ops, templates, end_of, waiters = self.rank_ops[r], self.templates, self.end_of, self.waiters
-        S, record, events, starts_out = self.S, self.record, self.events, self.starts_out
-        i, nops, t_now = self.pos[r], len(self.rank_ops[r]), self.now[r]
+        """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop).
+
+        Per-rank counters live in locals here and are written back when the rank parks, finishes
+        or hands an FB unit to ``run_fb``.
+        """
+        ops, templates, end_of, waiters, stack = self.rank_ops[r], self.templates, self.end_of, self.waiters, self.stack
+        S, events, starts_out = self.S, self.events if self.record else None, self.starts_out
+        i, nops, t_now = self.pos[r], len(ops), self.now[r]
+        live, peak, busy = self.live[r], self.peak[r], self.busy[r]
         self.blocked_on.pop(r, None)
         while i < nops:
             item = ops[i]
             if type(item) is FB:
-                self.pos[r], self.now[r] = i, t_now
+                self.pos[r], self.now[r], self.live[r], self.peak[r], self.busy[r] = i, t_now, live, peak, busy
                 if not self.run_fb(r, item):
                     return
-                i, t_now = i + 1, self.now[r]
+                i, t_now, live, peak, busy = i + 1, self.now[r], self.live[r], self.peak[r], self.busy[r]
                 continue
             kind, c, s, m = item
             waits, made, dur, holds, frees = templates[kind][c * S + s]
@@ -174,29 +184,30 @@ class _Walk:
             if t < 0:  # parked on a missing input
                 break
             start = t_now if t_now > t else t
-            t_now = start + dur
-            if holds or frees:
-                self.count(r, holds, frees)
-            if made >= 0:
-                self.make(made + off, t_now)
-            elif made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
+            if not i:
+                self.first[r] = start
+            live += holds
+            if live > peak:
+                peak = live
+            live -= frees
+            if made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
                 self.posts.append((r, c, s, start))
-                t_now = start
-                if starts_out is not None:
-                    starts_out[r].append(start)
-                    self.ends_out[r].append(start)
-                i += 1
-                continue
-            if record:
+                dur = 0.0
+            t_now = start + dur
+            if made >= 0:
+                made += off
+                end_of[made] = t_now
+                w = waiters.pop(made, None)
+                if w:
+                    stack.extend(w)
+            if events is not None and made != COLLECTIVE:
                 events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
             if starts_out is not None:
                 starts_out[r].append(start)
                 self.ends_out[r].append(t_now)
-            if self.first[r] is None:
-                self.first[r] = start
-            self.busy[r] += dur
+            busy += dur
             i += 1
-        self.pos[r], self.now[r] = i, t_now
+        self.pos[r], self.now[r], self.live[r], self.peak[r], self.busy[r] = i, t_now, live, peak, busy
 
     def count(self, r: int, holds: int, frees: int) -> None:
         """Activations: ``holds`` units from the op's start, ``frees`` released at its end."""

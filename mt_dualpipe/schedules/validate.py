@@ -20,6 +20,7 @@ instead of dictionaries keep this linear and fast at 64 ranks x 1024 micro-batch
 
 from __future__ import annotations
 
+from . import ops as K
 from ._perf import gc_paused
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
@@ -31,7 +32,6 @@ from .ops import (
     SENDS_TO,
     STAGE_KINDS,
     WEIGHT_GRAD_KINDS,
-    OpKind,
     OpTable,
     Signal,
 )
@@ -58,21 +58,50 @@ def check_structure(schedule: Schedule) -> None:
     """Exactly-once ops on the placement's ranks, well-formed FB pairs (no dependency check).
 
     Public so that lowering, simulation and users can check a hand-made schedule's shape without
-    walking its dependencies.
+    walking its dependencies. A tight loop marks the ops of a well-formed schedule; the first
+    anomaly sends the check down the detailed path that names the offending op.
     """
     _check_header(schedule)
     placement = schedule.placement
     n = len(placement) * len(placement[0]) * schedule.num_microbatches
     seen = {k: bytearray(n) for k in COMPUTE_KINDS}
-    stage_ops: list[tuple[int, int, Op]] = []
-    for r, ops in enumerate(schedule.ranks):
-        for i, item in enumerate(ops):
-            for op in _item_parts(r, i, item):
-                if not _mark(schedule, seen, r, i, op):
-                    stage_ops.append((r, i, op))
+    if not _mark_all(schedule, seen):
+        seen = {k: bytearray(n) for k in COMPUTE_KINDS}
+        stage_ops: list[tuple[int, int, Op]] = []
+        for r, ops in enumerate(schedule.ranks):
+            for i, item in enumerate(ops):
+                for op in _item_parts(r, i, item):
+                    if not _mark(schedule, seen, r, i, op):
+                        stage_ops.append((r, i, op))
+        if stage_ops:
+            _check_reductions(schedule, stage_ops)
     _check_complete(schedule, seen)
-    if stage_ops:
-        _check_reductions(schedule, stage_ops)
+
+
+def _mark_all(schedule: Schedule, seen: dict[str, bytearray]) -> bool:
+    """Mark every op of a well-formed schedule; False at the first thing that needs a closer look."""
+    placement, chain_of, M = schedule.placement, schedule.microbatch_chain, schedule.num_microbatches
+    C, S = len(placement), len(placement[0])
+    rank_of = [r for chain in placement for r in chain]
+    F, backward = K.F, BACKWARD_KINDS
+    for r, ops in enumerate(schedule.ranks):
+        for item in ops:
+            if type(item) is FB:
+                f, b = item
+                if type(f) is not Op or type(b) is not Op or f.kind != F or b.kind not in backward or f.mb == b.mb:
+                    return False
+            elif type(item) is not Op:
+                return False
+            for kind, c, s, m in (item if type(item) is FB else (item,)):
+                arr = seen.get(kind)
+                if arr is None or not (0 <= c < C and 0 <= s < S and 0 <= m < M) or chain_of[m] != c:
+                    return False
+                cs = c * S + s
+                u = cs * M + m
+                if rank_of[cs] != r or arr[u]:
+                    return False
+                arr[u] = 1
+    return True
 
 
 def _item_parts(r: int, i: int, item: object) -> tuple[Op, ...]:
@@ -83,7 +112,7 @@ def _item_parts(r: int, i: int, item: object) -> tuple[Op, ...]:
     if t is not FB:
         raise ScheduleError(f"rank {r} op {i}: expected an Op or FB, got {item!r}")
     f, b = item.f, item.b
-    if type(f) is not Op or type(b) is not Op or f.kind != OpKind.F or b.kind not in BACKWARD_KINDS:
+    if type(f) is not Op or type(b) is not Op or f.kind != K.F or b.kind not in BACKWARD_KINDS:
         raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs an F with a B or BW")
     if f.mb == b.mb:
         raise ScheduleError(f"rank {r} op {i} {item}: an FB pairs two different micro-batches")
@@ -143,8 +172,8 @@ def _check_complete(schedule: Schedule, seen: dict[str, bytearray]) -> None:
     """Every (chain, stage, micro-batch) runs one of ``ops.COMPLETE_SETS`` of kinds, exactly."""
     placement, M = schedule.placement, schedule.num_microbatches
     S = len(placement[0])
-    sf, sb, sw, sbw = seen[OpKind.F], seen[OpKind.B], seen[OpKind.W], seen[OpKind.BW]
-    bit = {OpKind.F: 1, OpKind.B: 2, OpKind.W: 4, OpKind.BW: 8}
+    sf, sb, sw, sbw = seen[K.F], seen[K.B], seen[K.W], seen[K.BW]
+    bit = {K.F: 1, K.B: 2, K.W: 4, K.BW: 8}
     complete = {sum(bit[k] for k in kinds) for kinds in COMPLETE_SETS}
     for m, c in enumerate(schedule.microbatch_chain):
         for s in range(S):
@@ -312,13 +341,7 @@ def _rendezvous_run(program: Program, view: Schedule, batch_keys, send_batch, re
     P = view.num_ranks
     progs = program.ranks
     run = _Rendezvous(program, view, batch_keys, send_batch, recv_batch, nkeys)
-    ranks_to_run = list(range(P))
-    heads: list[int] = []
-    while ranks_to_run or heads:
-        while ranks_to_run:
-            run.advance(ranks_to_run.pop(), heads)
-        while heads:
-            run.complete_head(heads.pop(), heads, ranks_to_run)
+    run.run()
 
     stuck = [r for r in range(P) if run.pc[r] < len(progs[r]) or run.head[r] < len(batch_keys[r])]
     if stuck:
@@ -352,41 +375,38 @@ class _Rendezvous:
         prog = self.progs[r]
         i, n = self.pc[r], len(prog)
         templates, S, done = self.templates, self.S, self.done
+        posted_recv, recv_batch, head = self.posted_recv, self.recv_batch, self.head[r]
         while i < n:
             ins = prog[i]
-            if type(ins) is CommBatch:
-                self.post(r, i, heads)
+            if type(ins) is CommBatch:  # post it: receives become visible, sends must have their data
+                b = self.posted[r]
+                for key, _, is_send in self.batch_keys[r][b]:
+                    if not is_send:
+                        posted_recv[key] = 1
+                    elif not done[key]:
+                        self.fail(r, i, f"sends {_data_name(key, S, self.M)} before it is computed")
+                self.posted[r] = b + 1
+                if b == head:
+                    heads.append(r)
                 i += 1
                 continue
-            parts = (ins.f, ins.b) if type(ins) is FB else (ins,)
-            for kind, c, s, m in parts:  # inputs, as ops defines them (hot loop: locals only)
+            for kind, c, s, m in (ins if type(ins) is FB else (ins,)):  # inputs, as ops defines them
                 for key, owner, _ in templates[kind][c * S + s][0]:
                     key += m + m
                     if owner == r:
                         if not done[key]:
                             self.fail_missing(r, i, key, owner)
-                    elif not self.posted_recv[key]:
+                    elif not posted_recv[key]:
                         self.fail_missing(r, i, key, owner)
-                    elif self.recv_batch[key] >= self.head[r]:
+                    elif recv_batch[key] >= head:
                         self.stuck_on[r] = (key, owner)  # formatted only if the run ends stuck
                         self.pc[r] = i
                         return
-            for kind, c, s, m in parts:
+            for kind, c, s, m in (ins if type(ins) is FB else (ins,)):
                 for key in templates[kind][c * S + s][1]:
                     done[key + m + m] = 1
             i += 1
         self.pc[r] = i
-
-    def post(self, r: int, i: int, heads: list[int]) -> None:
-        b = self.posted[r]
-        for key, _, is_send in self.batch_keys[r][b]:
-            if not is_send:
-                self.posted_recv[key] = 1
-            elif not self.done[key]:
-                self.fail(r, i, f"sends {_data_name(key, self.S, self.M)} before it is computed")
-        self.posted[r] = b + 1
-        if b == self.head[r]:
-            heads.append(r)
 
     def fail_missing(self, r: int, i: int, key: int, owner: int) -> None:
         """Raise for an input that is neither made locally nor received earlier on this rank."""
@@ -395,29 +415,39 @@ class _Rendezvous:
             self.fail(r, i, f"waits for {name}, which rank {r} runs later or never")
         self.fail(r, i, f"needs {name} but its receive is not posted before it")
 
-    def complete_head(self, r: int, heads: list[int], ranks_to_run: list[int]) -> None:
-        """Pair the transfers of rank ``r``'s head batch whose other end is at its rank's head."""
-        b = self.head[r]
-        if b >= self.posted[r]:
-            return
-        head, pending = self.head, self.pending
-        for key, r2, is_send in self.batch_keys[r][b]:
-            if self.paired[key]:
-                continue
-            b2 = self.recv_batch[key] if is_send else self.send_batch[key]
-            if b2 != head[r2] or b2 >= self.posted[r2]:
-                continue
-            self.paired[key] = 1
-            pending[r][b] -= 1
-            pending[r2][b2] -= 1
-            if pending[r2][b2] == 0 and r2 != r:
-                head[r2] += 1
-                heads.append(r2)
-                ranks_to_run.append(r2)
-        if pending[r][b] == 0 and head[r] == b:
-            head[r] += 1
-            heads.append(r)
-            ranks_to_run.append(r)
+    def run(self) -> None:
+        """Alternate: run ranks until they block, then complete head batches whose both ends are posted.
+
+        Completing a batch pairs each transfer whose other end sits in its rank's head batch; a
+        rank whose head batch completes moves on (its next batch becomes the head) and runs again.
+        """
+        head, pending, posted, paired = self.head, self.pending, self.posted, self.paired
+        batch_keys, send_batch, recv_batch = self.batch_keys, self.send_batch, self.recv_batch
+        ranks_to_run = list(range(len(head)))
+        heads: list[int] = []
+        while ranks_to_run or heads:
+            while ranks_to_run:
+                self.advance(ranks_to_run.pop(), heads)
+            while heads:
+                r = heads.pop()
+                b = head[r]
+                if b >= posted[r]:
+                    continue
+                for key, r2, is_send in batch_keys[r][b]:
+                    b2 = recv_batch[key] if is_send else send_batch[key]
+                    if paired[key] or b2 != head[r2] or b2 >= posted[r2]:
+                        continue
+                    paired[key] = 1
+                    pending[r][b] -= 1
+                    pending[r2][b2] -= 1
+                    if pending[r2][b2] == 0 and r2 != r:
+                        head[r2] += 1
+                        heads.append(r2)
+                        ranks_to_run.append(r2)
+                if pending[r][b] == 0 and head[r] == b:
+                    head[r] += 1
+                    heads.append(r)
+                    ranks_to_run.append(r)
 
     def stuck_line(self, r: int) -> str:
         if self.pc[r] < len(self.progs[r]):

@@ -40,24 +40,24 @@ from __future__ import annotations
 
 from collections import deque
 
+from . import ops as K
 from . import placements
 from .errors import ScheduleError
 from .ir import Op, Schedule
-from .ops import OpKind
 from .registry import register
 
 
 def zero_bubble_order(rank: int, M: int, warmup: int, delay: int) -> list[Op]:
     """One rank's single-chain ZB order: ``warmup`` forwards, then B(k), W(k-delay), F(next)."""
     warmup = min(warmup, M)
-    ops = [Op(OpKind.F, 0, rank, m) for m in range(warmup)]
+    ops = [Op(K.F, 0, rank, m) for m in range(warmup)]
     for k in range(M):
-        ops.append(Op(OpKind.B, 0, rank, k))
+        ops.append(Op(K.B, 0, rank, k))
         if k >= delay:
-            ops.append(Op(OpKind.W, 0, rank, k - delay))
+            ops.append(Op(K.W, 0, rank, k - delay))
         if warmup + k < M:
-            ops.append(Op(OpKind.F, 0, rank, warmup + k))
-    ops += [Op(OpKind.W, 0, rank, m) for m in range(max(0, M - delay), M)]
+            ops.append(Op(K.F, 0, rank, warmup + k))
+    ops += [Op(K.W, 0, rank, m) for m in range(max(0, M - delay), M)]
     return ops
 
 
@@ -84,12 +84,12 @@ def zbv_order(rank: int, P: int, M: int) -> list[Op]:
     ops: list[Op] = []
 
     def f(c: int) -> None:
-        ops.append(Op(OpKind.F, 0, stage[c], nf[c]))
+        ops.append(Op(K.F, 0, stage[c], nf[c]))
         nf[c] += 1
 
     def b(c: int, defer: bool = False) -> None:
-        ops.append(Op(OpKind.B, 0, stage[c], nb[c]))
-        (deferred.append if defer else ops.append)(Op(OpKind.W, 0, stage[c], nb[c]))
+        ops.append(Op(K.B, 0, stage[c], nb[c]))
+        (deferred.append if defer else ops.append)(Op(K.W, 0, stage[c], nb[c]))
         nb[c] += 1
 
     for _ in range(2 * (P - rank) - 1):
