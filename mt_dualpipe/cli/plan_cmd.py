@@ -25,7 +25,9 @@ def register(subparsers) -> None:
         description="Enumerate pipeline size, schedule, micro-batches and expert/data-parallel splits; estimate "
                     "step time (compute/communication model + the schedule simulator) and peak memory per GPU; "
                     "print the best. The cluster is a model: nothing is launched.")
-    p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout")
+    p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
+                   "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
+                   "an error)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--system", default="h800", help="h800, h100, a100 or a SimuMax system JSON (default h800)")
     p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GB (overrides the system)")

@@ -17,11 +17,15 @@ from pathlib import Path
 
 from ..schedules import Costs, ScheduleError, build_schedule, schedule_info, simulate
 from ..schedules.ir import Schedule
+from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline
 
 
-def _build(name: str, ranks: int, microbatches: int, virtual_stages: int | None) -> Schedule:
-    opts = {}
+def _build(name: str, ranks: int, microbatches: int, virtual_stages: int | None, costs: Costs | None = None
+           ) -> Schedule:
+    opts: dict = {}
+    if costs is not None and "costs" in schedule_info(name).options:  # a search (auto) plans for these costs
+        opts["costs"] = costs
     if virtual_stages is not None:
         if "virtual_stages" not in schedule_info(name).options:
             raise ScheduleError(f"--virtual-stages applies to schedules with chunks per rank "
@@ -53,8 +57,27 @@ def _load_timeline(path: str) -> Timeline:
     return Timeline.from_json(text)
 
 
+def _print_terminal(args: argparse.Namespace, timeline: Timeline, against: Timeline | None,
+                    metrics: SimResult | None) -> None:
+    """The terminal view; plain text (no colour, wide enough for each op's text) into a file or pipe."""
+    from rich.console import Console
+
+    from ..visualize import terminal_view
+    from ..visualize.terminal import plain_width
+
+    console = Console(width=args.width) if args.width else Console()
+    plain = args.plain or not console.is_terminal or console.no_color
+    width = args.width
+    if plain and width is None:
+        width = max(plain_width(t) for t in (timeline, against) if t is not None)
+        console = Console(width=width)
+    console.print(terminal_view(timeline, width=width, metrics=metrics, plain=plain))
+    if against is not None:
+        console.print(terminal_view(against, width=width, plain=plain))
+
+
 def cmd_render(args: argparse.Namespace) -> int:
-    from ..visualize import GraphvizNotFound, costs_from_timeline, dependency_graph, render_file, terminal_view
+    from ..visualize import GraphvizNotFound, costs_from_timeline, dependency_graph, render_file
 
     _check(args)
     schedule = against = metrics = None
@@ -63,24 +86,20 @@ def cmd_render(args: argparse.Namespace) -> int:
             timeline = _load_timeline(args.timeline)
             if args.against is not None:
                 costs = Costs.parse(args.costs) if args.costs else costs_from_timeline(timeline)
-                sched = _build(args.against, timeline.num_ranks, timeline.num_microbatches, args.virtual_stages)
+                sched = _build(args.against, timeline.num_ranks, timeline.num_microbatches, args.virtual_stages, costs)
                 against = simulate(sched, costs).to_timeline()
                 if timeline.source == "measured":
                     against.meta["time_unit"] = "s"  # costs are in the run's seconds
         else:
-            schedule = _build(args.name, args.ranks, args.microbatches, args.virtual_stages)
+            costs = Costs.parse(args.costs or "1,1,1")
+            schedule = _build(args.name, args.ranks, args.microbatches, args.virtual_stages, costs)
             if args.deps:
                 print(f"wrote {dependency_graph(schedule, args.output)}")
                 return 0
-            metrics = simulate(schedule, Costs.parse(args.costs or "1,1,1"))
+            metrics = simulate(schedule, costs)
             timeline = metrics.to_timeline()
         if args.output is None:
-            from rich.console import Console
-
-            console = Console(width=args.width) if args.width else Console()
-            console.print(terminal_view(timeline, width=args.width, metrics=metrics))
-            if against is not None:
-                console.print(terminal_view(against, width=args.width))
+            _print_terminal(args, timeline, against, metrics)
             return 0
         print(f"wrote {render_file(args.output, timeline, title=args.title, against=against, schedule=schedule)}")
     except GraphvizNotFound as exc:
@@ -108,4 +127,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--deps", action="store_true", help="draw the dependency graph (which op waits on which)")
     p.add_argument("--title", default=None, help="diagram title (default: schedule, P and M)")
     p.add_argument("--width", type=int, default=None, help="terminal width for the terminal view")
+    p.add_argument("--plain", action="store_true", help="terminal view as text without colour (each op's kind and "
+                   "micro-batch written out; the default when the output is not a terminal)")
     p.set_defaults(func=cmd_render)

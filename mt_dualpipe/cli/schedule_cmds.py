@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -19,15 +20,20 @@ from ..schedules import (
     simulate,
     validate_program,
 )
-from ..schedules.ir import FB, Op, Schedule
+from ..schedules.ir import Op, Schedule
+from ..schedules.ops import OpKind, parts
 from ..schedules.simulate import SimResult
+from ..visualize.style import CODES
 
 # colours shared with the terminal diagrams: forward green, input-grad orange, weight-grad blue
-OP_STYLE = {"F": "bold black on green3", "B": "bold black on orange1", "W": "bold white on blue3",
-            "BW": "bold black on gold1", "FB": "bold white on purple4"}
-CHAIN1_STYLE = {"F": "bold black on pale_green1", "B": "bold black on light_salmon1", "W": "bold white on royal_blue1",
-                "BW": "bold black on khaki1"}
+OP_STYLE = {OpKind.F: "bold black on green3", OpKind.B: "bold black on orange1", OpKind.W: "bold white on blue3",
+            OpKind.BW: "bold black on gold1", OpKind.FB: "bold white on purple4"}
+SECOND_STYLE = {OpKind.F: "bold black on pale_green1", OpKind.B: "bold black on light_salmon1",
+                OpKind.W: "bold white on royal_blue1", OpKind.BW: "bold black on khaki1"}
 SEARCHING = {"auto"}  # schedules that search (need costs, take seconds): left out of compare unless asked
+EXPORT_FORMATS = ("json", "csv")
+PEAK_UNIT = ("peak activations: the most loaded rank, in full-size stages (one stage = 1/P of the model; a "
+             "schedule with v-times smaller stages counts each as 1/v)")
 
 
 def add_schedule_args(p: argparse.ArgumentParser, name: bool = True) -> None:
@@ -39,12 +45,27 @@ def add_schedule_args(p: argparse.ArgumentParser, name: bool = True) -> None:
     p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank for interleaved-1f1b")
 
 
+def build_options(name: str, costs: Costs | None = None, virtual_stages: int | None = None) -> dict:
+    """The options of ``name`` that the command line sets: ``virtual_stages`` where the schedule takes
+    it, and the costs for a schedule that searches against them (``auto``)."""
+    options = schedule_info(name).options
+    opts: dict = {}
+    if virtual_stages is not None and "virtual_stages" in options:
+        opts["virtual_stages"] = virtual_stages
+    if costs is not None and "costs" in options:
+        opts["costs"] = costs
+    return opts
+
+
 def schedule_from_args(args: argparse.Namespace, name: str | None = None) -> Schedule:
-    opts = {}
     name = name or args.name
-    if args.virtual_stages is not None and name == "interleaved-1f1b":
-        opts["virtual_stages"] = args.virtual_stages
+    opts = build_options(name, Costs.parse(args.costs), args.virtual_stages)
     return build_schedule(name, args.ranks, args.microbatches, **opts)
+
+
+def use_plain(console: Console, args: argparse.Namespace) -> bool:
+    """Plain text (no colour) when asked, or when the output is not a terminal (a file, a pipe)."""
+    return bool(getattr(args, "plain", False)) or not console.is_terminal or console.no_color
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -59,25 +80,33 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token(item: Op | FB, first_stage: tuple[int, int]) -> Text:
-    """One op as a coloured token; ops of a rank's second stage (chain 1, or a V's way back) are lighter."""
-    if type(item) is FB:
-        return Text(f"{item.f.mb}|{item.b.mb}", style=OP_STYLE["FB"])
-    style = (OP_STYLE if (item.chain, item.stage) == first_stage else CHAIN1_STYLE)[item.kind]
-    label = {"F": "F", "B": "B", "W": "W", "BW": "b"}[item.kind]
-    return Text(f"{label}{item.mb}", style=style)
+# ----- show --------------------------------------------------------------------------------------
+def op_text(op: Op, with_stage: bool) -> str:
+    """One op as text: ``F3`` (``b`` a full backward), with its stage (``F3/s5``) when ranks run several."""
+    return f"{CODES[op.kind]}{op.mb}" + (f"/s{op.stage}" if with_stage else "")
+
+
+def _token(item: Op, first_stage: tuple[int, int], with_stage: bool) -> Text:
+    """One op (or F&B pair) as a token; ops of a rank's second stage (chain 1, a V's way back) are lighter."""
+    text = "|".join(op_text(op, with_stage) for op in parts(item))
+    if item.kind == OpKind.FB:
+        return Text(text, style=OP_STYLE[OpKind.FB])
+    style = (OP_STYLE if (item.chain, item.stage) == first_stage else SECOND_STYLE)[item.kind]
+    return Text(text, style=style)
 
 
 def op_grid(schedule: Schedule) -> Table:
-    """Each rank's op sequence (order, not time) as a row of coloured tokens."""
+    """Each rank's op sequence (order, not time) as a row of tokens, each naming its stage when a
+    rank runs more than one (a V's two stages on one rank are otherwise both "F0")."""
+    with_stage = any(len(schedule.local_stages(r)) > 1 for r in range(schedule.num_ranks))
     grid = Table.grid(padding=(0, 1))
-    grid.add_column(justify="right", style="bold")
+    grid.add_column(justify="right", style="bold", no_wrap=True)
     grid.add_column()
     for r, ops in enumerate(schedule.ranks):
         first = schedule.local_stages(r)[0] if schedule.local_stages(r) else (-1, -1)
         row = Text()
         for item in ops:
-            row.append_text(_token(item, first))
+            row.append_text(_token(item, first, with_stage))
             row.append(" ")
         grid.add_row(f"rank {r}", row)
     return grid
@@ -94,20 +123,66 @@ def metrics_table(result: SimResult) -> Table:
     return table
 
 
+def lower_bound_line(schedule: Schedule, makespan: float) -> str | None:
+    """What a searched schedule's ``meta["lower_bound"]`` says: the bound and the makespan's gap to it."""
+    bound = schedule.meta.get("lower_bound") if isinstance(schedule.meta, dict) else None
+    if not isinstance(bound, (int, float)) or bound <= 0:
+        return None
+    return (f"lower bound {bound:g} (no order on this placement is faster, memory ignored); "
+            f"makespan {makespan:g} is {gap_percent(makespan, bound):.2f} % above it")
+
+
+def gap_percent(makespan: float, bound: float) -> float:
+    return 100.0 * (makespan / bound - 1.0)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     console = Console()
+    plain = use_plain(console, args)
     schedule = schedule_from_args(args)
     costs = Costs.parse(args.costs)
     result = simulate(schedule, costs)
     console.print(f"[bold]{schedule.name}[/] P={schedule.num_ranks} M={schedule.num_microbatches} "
                   f"costs: {costs.describe()}")
-    console.print("[bold]order per rank[/] (F forward, B input-grad, W weight-grad, b full backward, f|b F&B pair):")
+    console.print("[bold]order per rank[/] (F forward, B input-grad, W weight-grad, b full backward, F3|b5 F&B "
+                  "pair; /s5: the op's stage, where a rank runs two):")
     console.print(op_grid(schedule))
     from ..visualize import terminal_view
+    from ..visualize.terminal import plain_width
 
-    console.print(terminal_view(result.to_timeline(), title=f"{schedule.name} timeline", metrics=result))
+    timeline = result.to_timeline()
+    view = terminal_view(timeline, title=f"{schedule.name} timeline", metrics=result, plain=plain,
+                         width=plain_width(timeline) if plain else None)
+    (Console(width=plain_width(timeline)) if plain else console).print(view)
     console.print(metrics_table(result))
+    line = lower_bound_line(schedule, result.makespan)
+    if line:
+        console.print(line)
     return 0
+
+
+# ----- compare -----------------------------------------------------------------------------------
+@dataclass
+class Compared:
+    """One schedule of a comparison: simulated, or left out with the reason."""
+
+    label: str
+    name: str
+    fraction: float = 1.0               # one stage's size relative to a rank's share of the model
+    schedule: Schedule | None = None
+    result: SimResult | None = None
+    reason: str = ""
+
+    @property
+    def peak(self) -> float:
+        """The most loaded rank's peak activations, in full-size stages."""
+        return max(self.result.peak_activations) * self.fraction if self.result else 0.0
+
+    @property
+    def lower_bound(self) -> float | None:
+        meta = self.schedule.meta if self.schedule is not None else {}
+        bound = meta.get("lower_bound") if isinstance(meta, dict) else None
+        return bound if isinstance(bound, (int, float)) and bound > 0 else None
 
 
 def stage_fraction(schedule: Schedule) -> float:
@@ -116,66 +191,120 @@ def stage_fraction(schedule: Schedule) -> float:
 
 
 def compare_results(ranks: int, microbatches: int, costs: Costs, virtual_stages: int = 2,
-                    include: set[str] | None = None) -> list[tuple[str, Schedule, SimResult]]:
-    """Every schedule that accepts (P, M), simulated on the same model.
+                    include: set[str] | None = None) -> list[Compared]:
+    """Every schedule, simulated on the same model for (P, M), or with the reason it cannot run.
 
     ``costs`` are those of one rank's share of the model (1/P of it); a schedule that cuts that
     share into v smaller stages (V shapes, interleaving) gets per-stage costs scaled by 1/v, so
     makespans compare like for like. DualPipe's two stages per rank are full-size copies.
+    Searching schedules (``auto``) are tried only when named in ``include``; they search against
+    those same scaled costs.
     """
     out = []
     for info in list_schedules():
         if info.name in SEARCHING and not (include and info.name in include):
             continue
-        opts = {"virtual_stages": virtual_stages} if "virtual_stages" in info.options else {}
-        try:
-            schedule = build_schedule(info.name, ranks, microbatches, **opts)
-        except ScheduleError:
-            continue
+        opts = build_options(info.name, virtual_stages=virtual_stages)
         label = info.name + (f" (v={virtual_stages})" if opts else "")
-        out.append((label, schedule, simulate(schedule, costs.scaled(stage_fraction(schedule)))))
+        entry = Compared(label, info.name)
+        try:
+            entry.fraction = ranks / info.num_stages(ranks, **opts)
+            scaled = costs.scaled(entry.fraction)
+            entry.schedule = build_schedule(info.name, ranks, microbatches, **opts,
+                                            **build_options(info.name, costs=scaled))
+        except ScheduleError as exc:
+            entry.reason = str(exc)
+            out.append(entry)
+            continue
+        entry.result = simulate(entry.schedule, scaled)
+        out.append(entry)
     return out
 
 
-def _peak_memory(schedule: Schedule, res: SimResult) -> float:
-    return max(res.peak_activations) * stage_fraction(schedule)
+def ranked(rows: list[Compared]) -> list[Compared]:
+    """The simulated schedules, fastest first (then the leanest): the order of the table and the image."""
+    return sorted((r for r in rows if r.result), key=lambda r: (r.result.makespan, r.peak))
+
+
+def _compare_table(rows: list[Compared], title: str) -> Table:
+    """The comparison table: simulated schedules fastest first (★ the best), then those left out and why.
+
+    Headers are single short words with a minimum width, so an 80-column pipe wraps cells instead
+    of cutting headers; the unit of the peak is in the footnote, as under the image.
+    """
+    built = ranked(rows)
+    best = built[0].result.makespan if built else None
+    bounds = any(r.lower_bound for r in built)
+    table = Table(title=title)
+    table.add_column("schedule", justify="left", overflow="fold", ratio=1)
+    cols = ["makespan", "bubble", "peak", "stages", "params"] + (["bound (gap)"] if bounds else [])
+    for col in cols:
+        table.add_column(col, justify="right", min_width=max(len(w) for w in col.split()), no_wrap=False)
+    for r in built:
+        res = r.result
+        mark = " ★" if res.makespan == best else ""
+        cells = [f"{r.label}{mark}", f"{res.makespan:g}", f"{100 * res.bubble_rate:.2f} %", f"{r.peak:g}",
+                 str(r.schedule.num_stages()), f"{schedule_info(r.name).param_copies}×"]
+        if bounds:
+            cells.append(f"{r.lower_bound:g} (+{gap_percent(res.makespan, r.lower_bound):.1f} %)"
+                         if r.lower_bound else "-")
+        table.add_row(*cells, style="bold green" if mark else None)
+    left_out = [r for r in rows if r.result is None]
+    if left_out:
+        table.add_section()
+        for r in left_out:
+            table.add_row(Text(f"{r.label}: not run, {r.reason}", style="dim"), *["-"] * len(cols))
+    return table
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     console = Console()
     costs = Costs.parse(args.costs)
-    rows = compare_results(args.ranks, args.microbatches, costs, args.virtual_stages or 2)
-    if not rows:
-        raise ScheduleError(f"no schedule accepts P={args.ranks}, M={args.microbatches}")
-    best = min(r.makespan for _, _, r in rows)
-    table = Table(title=f"P={args.ranks} ranks, M={args.microbatches} micro-batches, costs {costs.describe()}")
-    for col in ("schedule", "makespan", "bubble rate", "peak activations", "stages", "params per rank", "devices"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
-    for label, schedule, res in sorted(rows, key=lambda x: (x[2].makespan, _peak_memory(x[1], x[2]))):
-        info_copies = schedule_info(schedule.name).param_copies
-        mark = " ★" if res.makespan == best else ""
-        table.add_row(f"{label}{mark}", f"{res.makespan:g}", f"{100 * res.bubble_rate:.2f} %",
-                      f"{_peak_memory(schedule, res):g}", str(schedule.num_stages()),
-                      f"{info_copies}×", str(schedule.num_ranks),
-                      style="bold green" if mark else None)
-    console.print(table)
-    console.print("★ lowest makespan. Costs are per rank's share of the model; schedules with smaller stages get "
-                  "proportionally smaller per-stage costs. Peak activations: the most loaded rank, in units of one "
-                  "full-size (1/P of the model) stage's activations.")
+    include = {"auto"} if args.auto else None
+    rows = compare_results(args.ranks, args.microbatches, costs, args.virtual_stages or 2, include)
+    built = ranked(rows)
+    if not built:
+        reasons = "; ".join(f"{r.label}: {r.reason}" for r in rows)
+        raise ScheduleError(f"no schedule accepts P={args.ranks}, M={args.microbatches} ({reasons})")
+    console.print(_compare_table(rows, f"P={args.ranks} ranks, M={args.microbatches} micro-batches, "
+                                       f"costs {costs.describe()}"))
+    console.print(f"★ lowest makespan. Costs are per rank's share of the model; schedules with smaller stages get "
+                  f"proportionally smaller per-stage costs. {PEAK_UNIT[0].upper()}{PEAK_UNIT[1:]}. params: parameter "
+                  "copies per rank.")
     if args.output:
-        from ..visualize import render_comparison
+        from ..visualize import ComparisonEntry, render_comparison
 
-        path = render_comparison(args.output, [(label, res) for label, _, res in rows],
+        best = min(r.result.makespan for r in built)
+        entries = [ComparisonEntry(r.label, r.result, r.fraction, r.result.makespan == best) for r in built]
+        notes = f"★ lowest makespan · {PEAK_UNIT}"
+        left_out = [r.label for r in rows if r.result is None]
+        if left_out:
+            notes += f" · not run (see the table): {', '.join(left_out)}"
+        path = render_comparison(args.output, entries, notes=notes,
                                  title=f"P={args.ranks}, M={args.microbatches}, costs {costs.describe()}")
         console.print(f"wrote {path}")
     return 0
 
 
+# ----- export ------------------------------------------------------------------------------------
+def export_format(path: Path, fmt: str | None) -> str:
+    """``--format`` if given, else the file's extension; ``ScheduleError`` naming the allowed ones."""
+    if fmt is not None:
+        return fmt
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in EXPORT_FORMATS:
+        raise ScheduleError(f"cannot tell the format of {str(path)!r} from its extension "
+                            f"{('.' + ext) if ext else '(none)'}: use a file ending in "
+                            f"{' or '.join('.' + f for f in EXPORT_FORMATS)}, or give --format json|csv")
+    return ext
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    fmt = export_format(out, args.format)
     schedule = schedule_from_args(args)
     validate_program(lower(schedule))
-    out = Path(args.output)
-    if args.format == "csv" or (args.format is None and out.suffix == ".csv"):
+    if fmt == "csv":
         out.write_text(schedule.to_pipelining_csv())
     else:
         out.write_text(schedule.to_json(indent=None) + "\n")
@@ -189,15 +318,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("show", help="a schedule's per-rank op sequence and its simulated metrics")
     add_schedule_args(p)
+    p.add_argument("--plain", action="store_true",
+                   help="text without colour (the default when the output is not a terminal)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("compare", help="simulate every schedule that accepts P and M, side by side")
     add_schedule_args(p, name=False)
     p.add_argument("-o", "--output", default=None, help="also draw them stacked on one time scale (.svg/.png)")
+    p.add_argument("--auto", action="store_true",
+                   help="also search the auto schedule for these costs (seconds), with its lower bound")
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("export", help="save a schedule as JSON (mt-dualpipe.schedule/1) or pipelining CSV")
     add_schedule_args(p)
     p.add_argument("-o", "--output", required=True, help="output file (.json or .csv)")
-    p.add_argument("--format", choices=("json", "csv"), default=None, help="default: from the file extension")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default=None, help="default: from the file extension")
     p.set_defaults(func=cmd_export)

@@ -24,15 +24,18 @@ bytes. The point-to-point hop sends one micro-batch's hidden states.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
-from ..schedules import Costs, build_schedule
+from ..schedules import Costs, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
-from ..schedules.ir import compute_parts
+from ..schedules.ir import Schedule
+from ..schedules.ops import parts, rule
 from ..schedules.simulate import run_schedule
 from .model import Item, ModelSpec
 from .system import SystemSpec
 
 GB = 1e9
+AUTO = "auto"  # the searched schedule: built per strategy for its costs (its ``placement``), never cached
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class Strategy:
 
     @property
     def schedule_label(self) -> str:
-        if self.schedule == "auto":
+        if self.schedule == AUTO:
             return f"auto/{self.placement}"
         return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
 
@@ -159,16 +162,20 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
     return out
 
 
+def schedule_options(strategy: Strategy) -> dict:
+    """The build options of ``strategy``'s schedule: what its registry entry takes of the strategy's."""
+    info = schedule_info(strategy.schedule)
+    wanted: dict[str, object] = {"virtual_stages": strategy.virtual_stages}
+    if strategy.schedule == AUTO:
+        if not strategy.placement:
+            raise ScheduleError("schedule 'auto' needs a placement (Strategy.placement: linear, v or dual)")
+        wanted["placement"] = strategy.placement
+    return {k: v for k, v in wanted.items() if k in info.options}
+
+
 def num_stages(strategy: Strategy) -> int:
-    if strategy.schedule == "auto":
-        return 2 * strategy.pp if strategy.placement == "v" else strategy.pp
-    # read it off the schedule itself (V shapes: 2P half-size stages; interleaved: vP)
-    opts = {"virtual_stages": strategy.virtual_stages} if strategy.schedule == "interleaved-1f1b" else {}
-    P = strategy.pp
-    try:
-        return build_schedule(strategy.schedule, P, 2 * P * opts.get("virtual_stages", 1), **opts).num_stages()
-    except ScheduleError:
-        return P
+    """Stages per chain of the strategy's schedule, from the registry (no schedule is built)."""
+    return schedule_info(strategy.schedule).num_stages(strategy.pp, **schedule_options(strategy))
 
 
 def a2a_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: int) -> float:
@@ -224,15 +231,15 @@ def weight_bytes(strategy: Strategy) -> tuple[float, float, float]:
 
 
 def activation_peak_bytes(ops: list, stage_bytes: list[float]) -> float:
-    """Peak saved-activation bytes of one rank's op order: +stage bytes at F, - at its W or BW."""
+    """Peak saved-activation bytes of one rank's op order: each op holds and frees what ``schedules.ops``
+    says it does (+ its stage's bytes at F, - at its W or BW)."""
     live = peak = 0.0
     for item in ops:
-        for op in compute_parts(item):
-            if op.kind == "F":
-                live += stage_bytes[op.stage]
-                peak = max(peak, live)
-            elif op.kind in ("W", "BW"):
-                live -= stage_bytes[op.stage]
+        for op in parts(item):
+            r = rule(op.kind)
+            live += r.holds * stage_bytes[op.stage]
+            peak = max(peak, live)
+            live -= r.frees * stage_bytes[op.stage]
     return peak
 
 
@@ -255,26 +262,27 @@ def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[i
 
 
 # ----- one strategy ------------------------------------------------------------------------------
-_SCHEDULE_CACHE: dict[tuple, tuple] = {}
-
-
 AUTO_TIME_BUDGET = 5.0  # seconds per auto search inside the planner
+SCHEDULE_CACHE_SIZE = 256  # hand schedules kept between estimates (a plan tries a few dozen sizes)
 
 
-def _schedule(strategy: Strategy, costs: Costs):
-    if strategy.schedule == "auto":  # searched for these costs: not cached
-        if strategy.placement not in ("linear", "v", "dual"):
-            raise ScheduleError(f"schedule 'auto' needs placement linear, v or dual, got {strategy.placement!r}")
-        sched = build_schedule("auto", strategy.pp, strategy.num_microbatches, costs=costs,
-                               placement=strategy.placement, time_budget=AUTO_TIME_BUDGET)
-        return sched, None
-    key = (strategy.schedule, strategy.pp, strategy.num_microbatches, strategy.virtual_stages)
-    if key not in _SCHEDULE_CACHE:
-        opts = {"virtual_stages": strategy.virtual_stages} if strategy.schedule == "interleaved-1f1b" else {}
-        sched = build_schedule(strategy.schedule, strategy.pp, strategy.num_microbatches, **opts)
-        peaks = run_schedule(sched, Costs(), record=False).peak_activations
-        _SCHEDULE_CACHE[key] = (sched, peaks)
-    return _SCHEDULE_CACHE[key]
+@lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
+def hand_schedule(name: str, num_ranks: int, num_microbatches: int, options: tuple[tuple[str, object], ...] = ()
+                  ) -> Schedule:
+    """A hand schedule, built once per (name, P, M, options) and shared by every estimate that needs it.
+
+    Bounded: a long-lived process planning many models keeps at most ``SCHEDULE_CACHE_SIZE``.
+    Callers must not modify the schedule they get.
+    """
+    return build_schedule(name, num_ranks, num_microbatches, **dict(options))
+
+
+def _schedule(strategy: Strategy, costs: Costs) -> Schedule:
+    options = schedule_options(strategy)
+    if strategy.schedule == AUTO:  # searched for these costs: not cached
+        return build_schedule(AUTO, strategy.pp, strategy.num_microbatches, costs=costs,
+                              time_budget=AUTO_TIME_BUDGET, **options)
+    return hand_schedule(strategy.schedule, strategy.pp, strategy.num_microbatches, tuple(sorted(options.items())))
 
 
 def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estimate:
@@ -286,7 +294,7 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     tokens = strategy.seq_len * strategy.micro_batch_size
     stages = stage_items(model, strategy, system)
     costs = stage_costs(model, strategy, system, stages)
-    sched, _ = _schedule(strategy, costs)
+    sched = _schedule(strategy, costs)
     res = run_schedule(sched, costs, record=False)
     worst = None
     per_rank = []

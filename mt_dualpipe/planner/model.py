@@ -4,6 +4,11 @@ Reads SimuMax's model JSON layout (``hidden_size``, ``head_num``, ``layer_num``,
 ``expert_num``, ``topk``, ``moe_ffn_hidden_size``, ``q_lora_rank``, ...), plus two keys of ours:
 ``mtp_depth`` (multi-token-prediction modules after the head) and ``max_routed_nodes``
 (DeepSeek's node-limited routing), and an optional ``training`` block with the published run.
+Megatron-LM's argument names and Hugging Face ``config.json`` names of the same quantities are
+accepted too (``ALIASES``: ``ffn_hidden_size``, ``num_layers``, ``num_hidden_layers``, ...). Any
+other key is an error that lists the accepted ones: a key dropped silently would change the
+numbers without a word (an ignored ``ffn_hidden_size`` turned Llama-2-7B into 8.85 B parameters).
+Keys starting with ``_`` are comments.
 
 The pipeline is cut into "items": the embedding, every decoder layer, and the head (+ loss and
 MTP modules). Each item knows its parameter count (split into expert and non-expert, since
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from pathlib import Path
 
 from ..schedules.errors import ScheduleError
@@ -24,6 +30,28 @@ from ..schedules.errors import ScheduleError
 MODELS_DIR = Path(__file__).parent / "models"
 MODEL_ALIASES = {"deepseek-v3": "deepseek_v3_671b", "deepseek-v3-671b": "deepseek_v3_671b",
                  "deepseek_v3": "deepseek_v3_671b"}
+ALIASES = {
+    # Megatron-LM argument names
+    "num_layers": "layer_num", "ffn_hidden_size": "intermediate_size", "num_attention_heads": "head_num",
+    "num_query_groups": "kv_head_num", "kv_channels": "head_size", "num_experts": "expert_num",
+    "num_moe_experts": "expert_num", "moe_router_topk": "topk", "swiglu": "use_swiglu",
+    "mtp_num_layers": "mtp_depth", "padded_vocab_size": "vocab_size",
+    # Hugging Face config.json names
+    "num_hidden_layers": "layer_num", "num_key_value_heads": "kv_head_num", "head_dim": "head_size",
+    "n_routed_experts": "expert_num", "num_local_experts": "expert_num", "num_experts_per_tok": "topk",
+    "moe_intermediate_size": "moe_ffn_hidden_size", "first_k_dense_replace": "dense_layers",
+    "qk_nope_head_dim": "qk_head_dim", "qk_rope_head_dim": "qk_pos_emb_head_dim",
+    "num_nextn_predict_layers": "mtp_depth",
+}
+"""Other tools' names for a model field -> the field (SimuMax's name)."""
+DESCRIPTIVE_KEYS = ("model_name", "name", "model_type")
+"""Keys that name or classify the model without changing its numbers."""
+
+
+def _hint(key: str, known: list[str]) -> str:
+    """``'key'``, with the closest known key when one is close (a typo)."""
+    close = get_close_matches(key, known, 1, 0.8)
+    return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
 
 
 @dataclass(frozen=True)
@@ -64,22 +92,57 @@ class ModelSpec:
     mtp_depth: int = 0
     max_routed_nodes: int = 0
     training: dict = field(default_factory=dict)
+    source: str = ""  # the file (or bundled model) it was read from, for titles and messages
 
     # ----- loading --------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict) -> ModelSpec:
+    def fields(cls) -> list[str]:
+        """The model keys a description may give (SimuMax's names), besides ``DESCRIPTIVE_KEYS``."""
+        return [f for f in cls.__dataclass_fields__ if f not in ("name", "source")]
+
+    @classmethod
+    def canonical(cls, data: dict, where: str = "model description") -> dict:
+        """``data`` with aliases renamed and comments dropped; ``ScheduleError`` for an unknown key or
+        for an alias that disagrees with the field it names."""
+        fields = cls.fields()
+        out: dict = {}
+        given_as: dict[str, str] = {}
+        unknown = []
+        for key, value in data.items():
+            if key.startswith("_") or key in DESCRIPTIVE_KEYS:
+                continue
+            field_name = ALIASES.get(key, key)
+            if field_name not in fields:
+                unknown.append(key)
+            elif field_name in out and out[field_name] != value:
+                raise ScheduleError(f"{where} gives {field_name} twice with different values ({given_as[field_name]}="
+                                    f"{out[field_name]!r} and {key}={value!r}); keep one")
+            else:
+                out[field_name] = value
+                given_as[field_name] = key
+        if unknown:
+            hints = [_hint(k, fields + list(ALIASES)) for k in unknown]
+            raise ScheduleError(f"{where} has unknown key(s) {', '.join(hints)}; accepted: {', '.join(fields)}, "
+                                f"{', '.join(DESCRIPTIVE_KEYS)}; also accepted under Megatron / Hugging Face names: "
+                                + ", ".join(f"{a} ({f})" for a, f in ALIASES.items()))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "") -> ModelSpec:
+        """A model from a description in SimuMax's layout (or Megatron / Hugging Face names, ``ALIASES``)."""
+        where = f"model description {source}" if source else "model description"
+        kw = cls.canonical(data, where)
         need = ("hidden_size", "head_num", "layer_num", "vocab_size")
-        missing = [k for k in need if k not in data]
+        missing = [k for k in need if k not in kw]
         if missing:
-            raise ScheduleError(f"model description lacks {', '.join(missing)} (SimuMax model layout: hidden_size, "
+            raise ScheduleError(f"{where} lacks {', '.join(missing)} (SimuMax model layout: hidden_size, "
                                 "head_num, layer_num, vocab_size, intermediate_size, expert_num, topk, ...)")
-        known = {f for f in cls.__dataclass_fields__}
-        kw = {k: v for k, v in data.items() if k in known}
         kw["name"] = str(data.get("model_name", data.get("name", "model")))
-        kw.setdefault("intermediate_size", 4 * int(data["hidden_size"]))
+        kw["source"] = source
+        kw.setdefault("intermediate_size", 4 * int(kw["hidden_size"]))
         spec = cls(**kw)
         if spec.expert_num and not spec.topk:
-            raise ScheduleError("a MoE model description needs 'topk' (experts per token)")
+            raise ScheduleError(f"{where}: a MoE model needs 'topk' (experts per token)")
         return spec
 
     @classmethod
@@ -97,7 +160,9 @@ class ModelSpec:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ScheduleError(f"model file {path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        if not isinstance(data, dict):
+            raise ScheduleError(f"model file {path} must hold a JSON object of model keys, got {type(data).__name__}")
+        return cls.from_dict(data, source=path.name if path.parent == MODELS_DIR else str(path))
 
     @classmethod
     def from_deepseek_config(cls, cfg: object) -> ModelSpec:

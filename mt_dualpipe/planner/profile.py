@@ -76,8 +76,12 @@ def _leaf_inputs(values: Sequence[Any]) -> tuple:
     return tuple(out)
 
 
-class _SavedBytes:
-    """Bytes of the distinct storages autograd saves inside the ``with`` block (``exclude``: parameters)."""
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves inside the ``with`` block (``exclude``: parameters).
+
+    Public because it is how one measures what one in-flight micro-batch keeps alive: ``profile``
+    uses it per stage, and the planner's memory test checks its estimate against it.
+    """
 
     def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
         self.seen: set[int] = {t.untyped_storage().data_ptr() for t in exclude}  # parameters are not activations
@@ -94,7 +98,7 @@ class _SavedBytes:
             pass
         return t
 
-    def __enter__(self) -> _SavedBytes:
+    def __enter__(self) -> SavedBytes:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self._ctx.__enter__()
         return self
@@ -187,7 +191,7 @@ def _profile_stage(st: Stage, prof: StageProfile, inputs: tuple, crit: Callable 
         if i >= warmup:
             for key, t in (("f", t_f), ("b", t_b), ("w", t_w), ("bw", t_bw)):
                 times[key].append(t)
-    with _SavedBytes(list(module.parameters())) as saved:
+    with SavedBytes(list(module.parameters())) as saved:
         m, outs = run_f()
     st.backward(m, grads_for(outs), False)
     st.reset()

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import json
 
+from .model import ModelSpec
 from .search import PlanResult
+
+
+def model_title(model: ModelSpec) -> str:
+    """The model as a title names it: its name, the file it came from and its parameter count, so a
+    reader sees at once whether the description was read as meant."""
+    where = f"{model.source}, " if model.source else ""
+    return f"{model.name} ({where}{model.total_params() / 1e9:.2f} B parameters)"
 
 
 def plan_table(result: PlanResult, top: int = 10):
     """A ``rich.table.Table`` of the ``top`` fastest configurations that fit."""
     from rich.table import Table
 
-    cap = result.system.gpu_memory_gb * result.system.mem_factor
-    table = Table(title=f"{result.model.name} on {result.gpus} x {result.system.name} ({result.system.gpu_memory_gb:g} "
-                        f"GB, usable {cap:.1f} GB), global batch {result.global_batch}")
+    system = result.system
+    cap = system.gpu_memory_gb * system.mem_factor
+    table = Table(title=f"{model_title(result.model)} on {result.gpus} x {system.name} "
+                        f"({system.gpu_memory_gb:g} GB, usable {cap:.1f} GB), global batch {result.global_batch}")
     for col in ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sync s", "bubble",
                 "MFU", "weights", "grads", "optim", "activ", "mem GB"):
         table.add_column(col, justify="right" if col not in ("schedule",) else "left")
@@ -37,7 +46,7 @@ def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
         if console.width < 150:  # the table has 17 columns: do not squeeze it into a pipe's 80
             console = Console(width=150)
     if not result.ranked:
-        console.print(f"no configuration fits in {result.system.gpu_memory_gb:g} GB "
+        console.print(f"{model_title(result.model)}: no configuration fits in {result.system.gpu_memory_gb:g} GB "
                       f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out)")
     else:
         console.print(plan_table(result, top))

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field, replace
 
 from ..schedules.errors import ScheduleError
 from ..schedules.registry import schedule_info
-from .estimate import Estimate, Strategy, estimate
+from .estimate import AUTO, Estimate, Strategy, estimate
 from .model import ModelSpec
 from .system import SystemSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "dualpipe")
-PLACEMENT_OF = {"1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear", "gpipe": "linear", "zbv": "v",
-                "dualpipev": "v", "dualpipe": "dual"}
+VIRTUAL_STAGES = 2  # chunks per rank tried for schedules that take ``virtual_stages``
 
 
 @dataclass
@@ -47,6 +46,17 @@ class PlanResult:
                 "reference_rank": self.reference_rank, "verdict": self.verdict}
 
 
+def auto_placement(schedule: str) -> str | None:
+    """The placement the ``auto`` search uses for a hand schedule's layout (the registry's), or None
+    when the search does not take that placement (interleaved) or the schedule is auto itself."""
+    if schedule == AUTO:
+        return None
+    from ..schedules.auto import PLACEMENTS  # the search's own list; imported when a plan asks for auto
+
+    placement = schedule_info(schedule).placement
+    return placement if placement in PLACEMENTS else None
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -57,7 +67,7 @@ def candidates(model: ModelSpec, gpus: int, global_batch: int, *, pp: list[int] 
                zero: int = 1, recompute: str = "selective", max_pp: int = 32) -> tuple[list[Strategy], int]:
     """Every strategy the divisibility rules allow, and how many combinations they ruled out."""
     for name in schedules:
-        if name != "auto":
+        if name != AUTO:
             schedule_info(name)  # an unknown name fails here, with the list of known ones
     out: list[Strategy] = []
     skipped = 0
@@ -80,7 +90,7 @@ def candidates(model: ModelSpec, gpus: int, global_batch: int, *, pp: list[int] 
                     continue
                 M = global_batch // (dp * mbs)
                 for sched in (schedules if p > 1 else ("1f1b",)):
-                    v = 2 if sched == "interleaved-1f1b" else 1
+                    v = VIRTUAL_STAGES if sched != AUTO and "virtual_stages" in schedule_info(sched).options else 1
                     out.append(Strategy(p, sched, M, e, dp, mbs, seq_len, zero, dtype, recompute, v))
     return out, skipped
 
@@ -117,35 +127,48 @@ def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | No
         (ranked if est.fits else rejected).append(est)
     ranked.sort(key=lambda e: (e.step_time, e.total_memory_gb))
     if auto_top:
-        tried: set = set()
-        for est in list(ranked):
-            s = est.strategy
-            placement = PLACEMENT_OF.get(s.schedule)
-            key = (s.pp, s.num_microbatches, s.ep, s.micro_batch_size, placement)
-            if placement is None or key in tried:
-                continue
-            tried.add(key)
-            try:
-                got = estimate(model, system, replace(s, schedule="auto", placement=placement))
-            except ScheduleError:
-                continue
-            (ranked if got.fits else rejected).append(got)
-            if len(tried) >= auto_top:
-                break
-        ranked.sort(key=lambda e: (e.step_time, e.total_memory_gb))
+        _add_auto(model, system, ranked, rejected, auto_top)
     result = PlanResult(model, system, gpus, global_batch, ranked, rejected, skipped)
-    if reference is None and training.get("gpus") == gpus and training.get("pp_size"):
-        p = int(training["pp_size"])
-        dp = gpus // p
-        mbs = int(training.get("micro_batch_size", 1))
-        if global_batch % (dp * mbs) == 0:
-            reference = Strategy(p, training.get("schedule", "1f1b"), global_batch // (dp * mbs),
-                                 int(training.get("ep_size", 1)), dp, mbs, options["seq_len"],
-                                 int(training.get("zero_state", 1)), options["dtype"],
-                                 options.get("recompute", "selective"))
+    if reference is None:
+        reference = _published(training, gpus, global_batch, options)
     if reference is not None:
         _place_reference(result, reference)
     return result
+
+
+def _add_auto(model: ModelSpec, system: SystemSpec, ranked: list[Estimate], rejected: list[Estimate],
+              auto_top: int) -> None:
+    """Search ``auto`` on the placement of the ``auto_top`` best distinct layouts; re-rank ``ranked``."""
+    tried: set = set()
+    for est in list(ranked):
+        s = est.strategy
+        placement = auto_placement(s.schedule)
+        key = (s.pp, s.num_microbatches, s.ep, s.micro_batch_size, placement)
+        if placement is None or key in tried:
+            continue
+        tried.add(key)
+        try:
+            got = estimate(model, system, replace(s, schedule=AUTO, placement=placement))
+        except ScheduleError:
+            continue
+        (ranked if got.fits else rejected).append(got)
+        if len(tried) >= auto_top:
+            break
+    ranked.sort(key=lambda e: (e.step_time, e.total_memory_gb))
+
+
+def _published(training: dict, gpus: int, global_batch: int, options: dict) -> Strategy | None:
+    """The model's published configuration (its ``training`` block) when it was for ``gpus`` GPUs."""
+    if training.get("gpus") != gpus or not training.get("pp_size"):
+        return None
+    p = int(training["pp_size"])
+    dp = gpus // p
+    mbs = int(training.get("micro_batch_size", 1))
+    if global_batch % (dp * mbs):
+        return None
+    return Strategy(p, training.get("schedule", "1f1b"), global_batch // (dp * mbs),
+                    int(training.get("ep_size", 1)), dp, mbs, options["seq_len"],
+                    int(training.get("zero_state", 1)), options["dtype"], options.get("recompute", "selective"))
 
 
 def _place_reference(result: PlanResult, ref: Strategy) -> None:

@@ -13,11 +13,11 @@ the runtime, so a simulated and a measured run are drawn the same way::
 from ._graphviz import GraphvizNotFound, require_dot
 from .depgraph import dependency_graph
 from .metrics import Summary, costs_from_timeline
-from .render import render_comparison, render_file
+from .render import ComparisonEntry, render_comparison, render_file
 from .terminal import terminal_view
 from .trace import chrome_trace
 
 __all__ = [
     "GraphvizNotFound", "require_dot", "dependency_graph", "Summary", "costs_from_timeline",
-    "render_comparison", "render_file", "terminal_view", "chrome_trace",
+    "ComparisonEntry", "render_comparison", "render_file", "terminal_view", "chrome_trace",
 ]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ..schedules.costs import Costs
 from ..schedules.errors import ScheduleError
-from ..schedules.ir import FB, ComputeItem, Schedule, compute_parts
+from ..schedules.ir import ComputeItem, Op, Schedule
+from ..schedules.ops import Need, OpKind, Signal, makes, parts, producers
 from ..schedules.simulate import simulate
 from ._graphviz import quote, write_graph
 from .style import colour
@@ -32,7 +33,7 @@ EDGE_STYLE = {
 
 
 def _item_key(rank: int, item: ComputeItem) -> tuple:
-    head = item.f if type(item) is FB else item
+    head = item.f if item.kind == OpKind.FB else item
     return (rank, item.kind, head.chain, head.stage, head.mb)
 
 
@@ -46,33 +47,39 @@ def _positions(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[float, f
     return {(r, i): at[_item_key(r, item)] for r, i, item in schedule.iter_ops()}, True
 
 
+def edge_kind(op: Op, need: Need) -> str:
+    """How a diagram names one wait of ``op``: an activation from upstream, its own saved activation,
+    a gradient from downstream, or the input-gradient a W needs from its own B."""
+    same_stage = need.stage == op.stage
+    if need.signal is Signal.ACT:
+        return "saved" if same_stage else "activation"
+    return "weight" if same_stage else "gradient"
+
+
 def dependencies(schedule: Schedule) -> list[tuple[tuple[int, int], tuple[int, int], str]]:
-    """Every (producer (rank, index), consumer (rank, index), kind) pair of the schedule."""
-    where: dict[tuple[str, int, int, int], tuple[int, int]] = {}
+    """Every (producer (rank, index), consumer (rank, index), kind) pair of the schedule.
+
+    What waits for what comes from ``schedules.ops`` (``makes``/``producers``), so the graph draws
+    the same rule the simulator and the runtime follow.
+    """
+    where: dict[tuple, tuple[int, int]] = {}
     for r, i, item in schedule.iter_ops():
-        for op in compute_parts(item):
-            where[("B" if op.kind == "BW" else op.kind, op.chain, op.stage, op.mb)] = (r, i)
+        for op in parts(item):
+            made = makes(op)
+            if made is not None:
+                where[made] = (r, i)
     out = []
     for r, i, item in schedule.iter_ops():
-        for op in compute_parts(item):
-            c, s, m = op.chain, op.stage, op.mb
-            if op.kind == "F":
-                needs = [(("F", c, s - 1, m), "activation")] if s > 0 else []
-            elif op.kind in ("B", "BW"):
-                needs = [(("F", c, s, m), "saved")]
-                if s + 1 < len(schedule.placement[c]):
-                    needs.append((("B", c, s + 1, m), "gradient"))
-            else:
-                needs = [(("B", c, s, m), "weight")]
-            for key, kind in needs:
-                src = where.get(key)
+        for op in parts(item):
+            for need in producers(op, schedule.placement):
+                src = where.get((need.signal, need.chain, need.stage, need.mb))
                 if src is not None and src != (r, i):
-                    out.append((src, (r, i), kind))
+                    out.append((src, (r, i), edge_kind(op, need)))
     return out
 
 
 def _label(item: ComputeItem) -> str:
-    if type(item) is FB:
+    if item.kind == OpKind.FB:
         return f"{item.f.kind}{item.f.mb}+{item.b.kind}{item.b.mb}\ns{item.f.stage}/s{item.b.stage}"
     return f"{item.kind}{item.mb}\ns{item.stage}"
 
@@ -96,14 +103,16 @@ def dependency_source(schedule: Schedule, *, max_ops: int = MAX_OPS) -> str:
         y = height - 20 - r * ROW_PITCH
         lines.append(f'rank{r} [shape=plaintext style="" width=0.6 height=0.3 label="rank {r}" fontsize=10 '
                      f'pos="-30,{y:.1f}!"];')
+    local = [schedule.local_stages(r) for r in range(P)]
     for r, i, item in schedule.iter_ops():
         start, dur = pos[(r, i)]
-        head = item.f if type(item) is FB else item
+        head = item.f if item.kind == OpKind.FB else item
         w = max(dur, 0.5) * UNIT_W - 4
         x = start * UNIT_W + 2 + w / 2
         y = height - 20 - r * ROW_PITCH
+        slot = local[r].index((head.chain, head.stage))  # a rank's second stage is drawn in the light tint
         lines.append(f'op_r{r}_{i} [id="op_r{r}_{i}" class="op {item.kind} chain{head.chain}" '
-                     f'fillcolor="{colour(item.kind, head.chain)}" label={quote(_label(item))} '
+                     f'fillcolor="{colour(item.kind, slot)}" label={quote(_label(item))} '
                      f'tooltip={quote(str(item))} width={w / 72:.4f} height={ROW_H / 72:.4f} pos="{x:.1f},{y:.1f}!"];')
     for (sr, si), (dr, di), kind in dependencies(schedule):
         bold = " penwidth=2.2" if sr != dr else ""

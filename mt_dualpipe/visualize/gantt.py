@@ -3,10 +3,15 @@
 Every op is one box whose width is proportional to its duration, placed at its start time on
 its rank's row; the layout is computed here and graphviz only draws it (``neato -n2`` keeps the
 given positions), so there is no layout pass and 200k ops draw in seconds. Each op's SVG group
-has ``class="node op <kind> chain<c>"`` and ``id="op_r<rank>_<n>"`` (``op_p<k>_r<rank>_<n>`` in
-the k-th of several panels), so tools and tests can find exactly one box per op. Several
-timelines (a comparison, or a measured run over its simulation) are stacked as panels sharing one
-time scale.
+has ``class="node op <kind> chain<c> stage<s> slot<k>"`` and ``id="op_r<rank>_<n>"``
+(``op_p<k>_r<rank>_<n>`` in the k-th of several panels), so tools and tests can find exactly one
+box per op. Several timelines (a comparison, or a measured run over its simulation) are stacked
+as panels sharing one time scale.
+
+When a rank runs more than one stage (V shapes, DualPipe, interleaving), an op on the rank's
+second stage is drawn in a light tint of its kind's colour, and each box that is wide enough
+says its stage under its micro-batch (``3`` over ``s5``): a V schedule's two F0 on rank 0 are
+then told apart by colour and by text.
 """
 
 from __future__ import annotations
@@ -16,14 +21,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
-from ..schedules.timeline import Timeline
+from ..schedules.timeline import Timeline, TimelineEvent
 from ._graphviz import quote, write_graph
-from .metrics import Summary, events_by_rank, start_time
-from .style import COMM_COLOUR, KIND_NAMES, KINDS, cell_label, colour, describe, fmt_time
+from .metrics import StageSlots, Summary, events_by_rank, start_time
+from .style import (
+    COMM_COLOUR,
+    KIND_NAMES,
+    KINDS,
+    SECOND_STAGE_NAME,
+    cell_label,
+    colour,
+    describe,
+    fmt_time,
+    stage_label,
+)
 
 # sizes in points (1/72 inch)
 MARGIN = 12.0
 ROW_H = 16.0
+ROW_H_STAGES = 22.0  # rows whose boxes also say their stage (a second text line)
 ROW_GAP = 3.0
 COMM_H = 5.0
 LEFT_W = 44.0
@@ -44,6 +60,7 @@ class Panel:
     timeline: Timeline
     summary: Summary
     header: str | None = None
+    peak_scale: float = 1.0  # per-rank peaks are printed times this (a comparison's common unit)
 
 
 def _text_w(text: str, size: float) -> float:
@@ -126,21 +143,23 @@ def _draw_panel(cv: _Canvas, panel: Panel, y: float, scale: float, right_x: floa
     rows = events_by_rank(tl)
     comm_rows = events_by_rank(tl, "comm")
     has_comm = any(comm_rows)
+    slots = StageSlots(tl)
+    row_h = ROW_H_STAGES if slots.multi else ROW_H
     pct = panel.summary.bubble_percent
     span = tl.makespan
     for r in range(tl.num_ranks):
         cv.text(MARGIN + LEFT_W / 2, y + 1, f"rank {r}", 8, centre=True, cls="rank-label")
-        cv.box(x0, y, span * scale, ROW_H, 'color="#e6e6e6" fillcolor="#f7f7f7" class="lane"')
+        cv.box(x0, y, span * scale, row_h, 'color="#e6e6e6" fillcolor="#f7f7f7" class="lane"')
         for i, e in enumerate(rows[r]):
             w = (e.end - e.start) * scale
-            label = cell_label(e)
-            text = f' label="{label}"' if _text_w(label, CELL_FONT) <= w else ""
-            cv.box(x0 + (e.start - t0) * scale, y, w, ROW_H,
-                   f'id="op_{ids}r{r}_{i}" class="op {e.op} chain{e.chain}" fillcolor="{colour(e.op, e.chain)}"'
-                   f'{text} tooltip={quote(f"{describe(e)} {fmt_time(e.start - t0)}-{fmt_time(e.end - t0)}")}')
-        right = f"idle {pct[r]:.1f}%  peak {panel.summary.peak_activations[r]}"
+            slot = slots.event(e)
+            cv.box(x0 + (e.start - t0) * scale, y, w, row_h,
+                   f'id="op_{ids}r{r}_{i}" class="op {e.op} chain{e.chain} stage{e.stage} slot{slot}" '
+                   f'fillcolor="{colour(e.op, slot)}"{_box_label(e, w, slots.multi)} '
+                   f'tooltip={quote(f"{describe(e)} {fmt_time(e.start - t0)}-{fmt_time(e.end - t0)}")}')
+        right = f"idle {pct[r]:.1f}%  peak {panel.summary.peak_activations[r] * panel.peak_scale:g}"
         cv.text(right_x, y + 1, right, 8, cls="rank-metrics")
-        y += ROW_H
+        y += row_h
         if has_comm:
             for i, e in enumerate(comm_rows[r]):
                 cv.box(x0 + (e.start - t0) * scale, y + 0.5, (e.end - e.start) * scale, COMM_H - 1,
@@ -149,6 +168,16 @@ def _draw_panel(cv: _Canvas, panel: Panel, y: float, scale: float, right_x: floa
             y += COMM_H
         y += ROW_GAP
     return y
+
+
+def _box_label(e: TimelineEvent, width: float, with_stage: bool) -> str:
+    """The label attribute of an op box: micro-batch(es), over the stage(s) when asked and it fits."""
+    mbs = cell_label(e)
+    if with_stage:
+        stages = stage_label(e)
+        if max(_text_w(mbs, CELL_FONT), _text_w(stages, CELL_FONT)) <= width:
+            return f" label={quote(mbs + chr(10) + stages)}"
+    return f' label="{mbs}"' if _text_w(mbs, CELL_FONT) <= width else ""
 
 
 def _draw_axis(cv: _Canvas, y: float, span: float, scale: float) -> float:
@@ -169,15 +198,19 @@ def _draw_axis(cv: _Canvas, y: float, span: float, scale: float) -> float:
 
 
 def _draw_legend(cv: _Canvas, y: float, panels: list[Panel]) -> float:
-    present = {(e.op, e.chain % 2) for p in panels for e in p.timeline.compute_events()}
-    for chain in (0, 1):
-        kinds = [k for k in KINDS if (k, chain) in present]
+    present = set()
+    for p in panels:
+        slots = StageSlots(p.timeline)
+        present |= {(e.op, slots.event(e) % 2) for e in p.timeline.compute_events()}
+    for slot in (0, 1):
+        kinds = [k for k in KINDS if (k, slot) in present]
         if not kinds:
             continue
         x = MARGIN
-        x += cv.text(x, y, "chain 0" if chain == 0 else "chain 1 (reverse)", 8, cls="legend") + 6
+        name = "ops" if not any(s for _, s in present) else "the rank's first stage" if slot == 0 else SECOND_STAGE_NAME
+        x += cv.text(x, y, name, 8, cls="legend") + 6
         for kind in kinds:
-            cv.box(x, y + 1, 18, 10, f'class="legend-swatch {kind} chain{chain}" fillcolor="{colour(kind, chain)}"')
+            cv.box(x, y + 1, 18, 10, f'class="legend-swatch {kind} slot{slot}" fillcolor="{colour(kind, slot)}"')
             x += 22
             x += cv.text(x, y, f"{kind} {KIND_NAMES[kind]}", 8, cls="legend") + 10
         cv.width = max(cv.width, x + MARGIN)

@@ -2,7 +2,8 @@
 
 The simulator already reports these for simulated runs (``SimResult``); a recorded run only has
 its events, so the diagrams recompute makespan, idle time and peak activations from them using the
-rules of SCHEDULES.md: an activation is +1 when a stage's F runs and -1 when its W or BW finishes.
+activation rule of ``schedules.ops`` (docs/schedules.md): +1 when a stage's F runs, -1 when its W
+or BW finishes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..schedules.costs import Costs
+from ..schedules.ir import Op
+from ..schedules.ops import OpKind, rule
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline, TimelineEvent
 
@@ -68,17 +71,53 @@ def events_by_rank(timeline: Timeline, lane: str = "compute") -> list[list[Timel
     return rows
 
 
+def event_ops(e: TimelineEvent) -> tuple[Op, ...]:
+    """The plain ops of a compute event: itself, or an FB unit's forward and backward halves."""
+    if e.pair is None:
+        return (Op(e.op, e.chain, e.stage, e.mb),)
+    return Op(OpKind.F, e.chain, e.stage, e.mb), Op(*e.pair)
+
+
 def peak_activations(rank_events: list[TimelineEvent]) -> int:
-    """Peak in-flight activations of one rank's compute events (sorted by start)."""
+    """Peak in-flight activations of one rank's compute events (sorted by start), counted with the
+    activation rule of ``schedules.ops`` (what an op holds when it starts, frees when it ends)."""
     live = peak = 0
     for e in rank_events:
-        if e.op in ("F", "FB"):
-            live += 1
-            peak = max(peak, live)
-        back = e.pair[0] if e.pair is not None else e.op
-        if back in ("W", "BW"):
-            live -= 1
+        kinds = [rule(op.kind) for op in event_ops(e)]
+        live += sum(k.holds for k in kinds)
+        peak = max(peak, live)
+        live -= sum(k.frees for k in kinds)
     return peak
+
+
+class StageSlots:
+    """Which of its stages a rank runs an op on: slot 0 for the rank's first (chain, stage), 1 for
+    its second, ... — read from the events alone, so measured runs get it too.
+
+    A V schedule runs stage s and stage 2P-1-s of one chain on a rank, DualPipe one stage of each
+    chain, interleaving v stages: the slot (with the stage number) is what tells them apart in a
+    diagram, where the chain alone would not.
+    """
+
+    def __init__(self, timeline: Timeline) -> None:
+        per_rank: dict[int, set[tuple[int, int]]] = defaultdict(set)
+        for e in timeline.compute_events():
+            for op in event_ops(e):
+                per_rank[e.rank].add((op.chain, op.stage))
+        self.slots = {(r, c, s): k for r, pairs in per_rank.items() for k, (c, s) in enumerate(sorted(pairs))}
+        self.multi = any(len(pairs) > 1 for pairs in per_rank.values())
+        """Whether some rank runs more than one stage (then diagrams label the stage in each op)."""
+
+    def of(self, rank: int, chain: int, stage: int) -> int:
+        return self.slots.get((rank, chain, stage), 0)
+
+    def event(self, e: TimelineEvent) -> int:
+        """The slot of an event (an FB unit: that of its forward half)."""
+        return self.of(e.rank, e.chain, e.stage)
+
+    def second(self, rank: int, op: Op) -> bool:
+        """Whether ``op`` runs on one of the rank's later stages (drawn in the light tint)."""
+        return self.of(rank, op.chain, op.stage) % 2 == 1
 
 
 def start_time(timeline: Timeline) -> float:
@@ -94,20 +133,20 @@ def costs_from_timeline(timeline: Timeline) -> Costs:
     """
     durations: dict[str, list[float]] = defaultdict(list)
     for e in timeline.compute_events():
-        key = "FB" + e.pair[0] if e.pair is not None else e.op
+        key = OpKind.FB + e.pair[0] if e.pair is not None else e.op
         durations[key].append(e.end - e.start)
 
     def mean(key: str) -> float | None:
         vals = durations.get(key)
         return sum(vals) / len(vals) if vals else None
 
-    f = mean("F") or 0.0
-    w = mean("W") or 0.0
-    b = mean("B")
+    f = mean(OpKind.F) or 0.0
+    w = mean(OpKind.W) or 0.0
+    b = mean(OpKind.B)
     if b is None:
-        bw = mean("BW")
+        bw = mean(OpKind.BW)
         b = max(0.0, bw - w) if bw is not None else 0.0
-    fb = mean("FBBW")
-    if fb is None and mean("FBB") is not None:
-        fb = mean("FBB") + w
+    fb = mean(OpKind.FB + OpKind.BW)
+    if fb is None and mean(OpKind.FB + OpKind.B) is not None:
+        fb = mean(OpKind.FB + OpKind.B) + w
     return Costs(f, b, w, fb=fb)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..schedules.errors import ScheduleError
@@ -11,6 +12,7 @@ from ..schedules.timeline import Timeline
 from ._graphviz import GRAPHVIZ_FORMATS, SOURCE_FORMATS
 from .gantt import Panel, panels_drawing, render_panels, summary_text
 from .metrics import Summary
+from .style import fmt_time
 from .trace import write_trace
 
 TRACE_FORMATS = ("json",)
@@ -79,28 +81,60 @@ def render_file(path: str | Path, timeline: Timeline, *, title: str | None = Non
     return render_panels(path, *_timeline_panels(timeline, title, against, schedule))
 
 
-def render_comparison(path: str | Path, entries: list[tuple[str, SimResult]], *, title: str | None = None) -> str:
+@dataclass(frozen=True)
+class ComparisonEntry:
+    """One schedule of a comparison diagram.
+
+    ``peak_scale`` converts the simulator's peak (in that schedule's stages) into the unit the
+    diagram states in ``peak_unit`` (e.g. ``1/v`` for v-times smaller stages, so that every panel
+    counts full-size stages, as ``mt-dualpipe compare``'s table does); ``best`` marks the panel.
+    """
+
+    label: str
+    result: SimResult
+    peak_scale: float = 1.0
+    best: bool = False
+
+    def header(self) -> str:
+        summary = Summary.from_sim(self.result)
+        peak = max(self.result.peak_activations, default=0) * self.peak_scale
+        mark = f"{BEST_MARK} " if self.best else ""
+        return (f"{mark}{self.label} · makespan {fmt_time(summary.makespan)} · bubble rate "
+                f"{100 * summary.bubble_rate:.2f}% · peak activations {peak:g}")
+
+
+BEST_MARK = "★"
+
+
+def _entries(entries: list) -> list[ComparisonEntry]:
+    return [e if isinstance(e, ComparisonEntry) else ComparisonEntry(*e) for e in entries]
+
+
+def _comparison_title(entries: list[ComparisonEntry]) -> str:
+    sizes = {(e.result.num_ranks, e.result.num_microbatches) for e in entries}
+    costs = {e.result.costs.describe() for e in entries}
+    title = "pipeline schedules"
+    if len(sizes) == 1:
+        P, M = sizes.pop()
+        title += f"  P={P} M={M}"
+    if len(costs) == 1:
+        title += f"  costs {costs.pop()}"
+    return title
+
+
+def render_comparison(path: str | Path, entries: list, *, title: str | None = None, notes: str = "") -> str:
     """Stack several simulated schedules in one diagram on one time scale; returns the path.
 
-    Each panel is labelled with its name, makespan, bubble rate and peak activations. A .json
+    ``entries`` are ``(label, SimResult)`` pairs or ``ComparisonEntry`` (peak in stated units, best
+    marked with ★). Each panel is labelled with its name, makespan, bubble rate and peak activations;
+    ``notes`` (the unit of the peaks, schedules left out and why) goes under the title. A .json
     path writes one Chrome trace with every schedule's ranks as processes.
     """
     if not entries:
         raise ScheduleError("render_comparison needs at least one (label, SimResult) entry")
+    items = _entries(entries)
     fmt = _format(path)
     if fmt in TRACE_FORMATS:
-        return write_trace(path, [(label, res.to_timeline()) for label, res in entries])
-    panels = []
-    for label, res in entries:
-        summary = Summary.from_sim(res)
-        panels.append(Panel(res.to_timeline(), summary, f"{label} · {summary_text(summary)}"))
-    if title is None:
-        sizes = {(res.num_ranks, res.num_microbatches) for _, res in entries}
-        costs = {res.costs.describe() for _, res in entries}
-        title = "pipeline schedules"
-        if len(sizes) == 1:
-            P, M = sizes.pop()
-            title += f"  P={P} M={M}"
-        if len(costs) == 1:
-            title += f"  costs {costs.pop()}"
-    return render_panels(path, panels, title)
+        return write_trace(path, [(e.label, e.result.to_timeline()) for e in items])
+    panels = [Panel(e.result.to_timeline(), Summary.from_sim(e.result), e.header(), e.peak_scale) for e in items]
+    return render_panels(path, panels, title or _comparison_title(items), notes)

@@ -1,44 +1,48 @@
 """Colours and labels shared by every renderer, so the terminal, SVG and trace views agree.
 
-Each compute kind has its own hue; chain 1 (DualPipe's reverse direction) uses a light tint of
-the same hue, so a reader sees the kind first and the direction second. An FB unit takes the
-colour of the chain of its forward half.
+Each compute kind has its own hue; an op on a rank's second stage (DualPipe's reverse chain, a V
+schedule's way back, interleaving's next chunk) uses a light tint of the same hue, so a reader
+sees the kind first and which of the rank's stages second. An FB unit takes the colour of its
+forward half. Where colour is not available (text piped to a file) the same facts are written:
+a kind code per op (``CODES``) and ``'`` after the micro-batch of a second-stage op.
 """
 
 from __future__ import annotations
 
+from ..schedules.ops import COMM_KINDS, OpKind
 from ..schedules.timeline import TimelineEvent
 
-KINDS = ("F", "B", "W", "BW", "FB")
+KINDS = (OpKind.F, OpKind.B, OpKind.W, OpKind.BW, OpKind.FB)
 KIND_NAMES = {
-    "F": "forward",
-    "B": "backward for input",
-    "W": "backward for weights",
-    "BW": "full backward",
-    "FB": "overlapped F&B",
+    OpKind.F: "forward",
+    OpKind.B: "backward for input",
+    OpKind.W: "backward for weights",
+    OpKind.BW: "full backward",
+    OpKind.FB: "overlapped F&B",
 }
-# kind -> (chain 0 colour, chain 1 colour)
+# kind -> (colour of a rank's first stage, light tint for its second stage)
 PALETTE = {
-    "F": ("#f4a259", "#fbd9b0"),
-    "B": ("#5b8fd9", "#bcd2f3"),
-    "W": ("#5fb54c", "#c3e6ba"),
-    "BW": ("#9467c9", "#d6c6ee"),
-    "FB": ("#e0606b", "#f5bcc1"),
+    OpKind.F: ("#f4a259", "#fbd9b0"),
+    OpKind.B: ("#5b8fd9", "#bcd2f3"),
+    OpKind.W: ("#5fb54c", "#c3e6ba"),
+    OpKind.BW: ("#9467c9", "#d6c6ee"),
+    OpKind.FB: ("#e0606b", "#f5bcc1"),
 }
+CODES = {OpKind.F: "F", OpKind.B: "B", OpKind.W: "W", OpKind.BW: "b"}
+"""One-letter codes of the plain-text views (b: full backward, as in ``mt-dualpipe show``)."""
+SECOND_STAGE = "'"
+"""Marks an op of a rank's second stage in the plain-text views."""
+SECOND_STAGE_NAME = "the rank's second stage (chain 1, a V's way back, the next chunk)"
 COMM_COLOUR = "#9e9e9e"
 UNKNOWN_COLOUR = "#cccccc"
 
 
-def colour(kind: str, chain: int) -> str:
-    """Fill colour of an op of ``kind`` in ``chain`` (chains past 1 reuse the two tints)."""
+def colour(kind: str, slot: int) -> str:
+    """Fill colour of an op of ``kind`` on the rank's stage ``slot`` (0 first; slots past 1 reuse the tints)."""
     pair = PALETTE.get(kind)
     if pair is None:
-        return COMM_COLOUR if kind.startswith(("SEND", "RECV")) else UNKNOWN_COLOUR
-    return pair[chain % 2]
-
-
-def event_colour(event: TimelineEvent) -> str:
-    return colour(event.op, event.chain)
+        return COMM_COLOUR if kind in COMM_KINDS or kind == OpKind.COMM else UNKNOWN_COLOUR
+    return pair[slot % 2]
 
 
 def cell_label(event: TimelineEvent) -> str:
@@ -46,6 +50,18 @@ def cell_label(event: TimelineEvent) -> str:
     if event.pair is not None:
         return f"{event.mb}+{event.pair[3]}"
     return str(event.mb)
+
+
+def stage_label(event: TimelineEvent) -> str:
+    """The stage(s) of a cell: ``s5``, or ``s0+s3`` for an FB pair."""
+    if event.pair is not None:
+        return f"s{event.stage}+s{event.pair[2]}"
+    return f"s{event.stage}"
+
+
+def plain_label(kind: str, mb: int, second: bool) -> str:
+    """One op in the plain-text views: its code, micro-batch and ``'`` on a rank's second stage."""
+    return f"{CODES.get(kind, '?')}{mb}{SECOND_STAGE if second else ''}"
 
 
 def describe(event: TimelineEvent) -> str:

@@ -4,6 +4,12 @@ Time is scaled to the available width. An op wide enough to hold its micro-batch
 narrower ops are plain coloured cells, and a column shorter than any op (huge schedules) takes
 the colour of the kind that fills most of it, so a 64 x 1024 run still fits on one screen. Idle
 time is blank. Ranks beyond ``max_ranks`` are summarised in one line instead of overflowing.
+An op on a rank's second stage (a V's way back, DualPipe's reverse chain) is drawn in a light tint.
+
+``plain=True`` draws the same rows for a reader without colour (output piped to a file): each op
+writes its kind code and micro-batch (``F3``, ``B3``, ``W3``, ``b3`` for a full backward,
+``F3|b5`` for an FB pair), ``'`` marks an op of the rank's second stage, ``.`` fills the rest of
+an op's columns and idle time stays blank.
 """
 
 from __future__ import annotations
@@ -14,25 +20,46 @@ from rich.console import Console, Group
 from rich.style import Style
 from rich.text import Text
 
+from ..schedules.ops import OpKind
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline, TimelineEvent
-from .metrics import Summary, events_by_rank, start_time
-from .style import KIND_NAMES, KINDS, cell_label, colour, fmt_time
+from .metrics import StageSlots, Summary, event_ops, events_by_rank, start_time
+from .style import CODES, KIND_NAMES, KINDS, SECOND_STAGE, SECOND_STAGE_NAME, cell_label, colour, fmt_time, plain_label
 
 MIN_COLUMNS = 10
 _SUFFIX = "   idle  peak"  # what follows the row's closing bar: f"{idle:6.1f}%{peak:>6}"
 
 
-def _style(kind: str, chain: int, shade: int = 0) -> Style:
+PLAIN_FILL = "."
+
+
+def _style(kind: str, slot: int, shade: int = 0) -> Style:
     """Cell style; ``shade=1`` is a slightly darker variant that separates touching same-kind cells."""
-    hex_colour = colour(kind, chain)
+    hex_colour = colour(kind, slot)
     if shade:
         rgb = [int(hex_colour[i:i + 2], 16) * 85 // 100 for i in (1, 3, 5)]
         hex_colour = "#" + "".join(f"{v:02x}" for v in rgb)
     return Style(color="black", bgcolor=hex_colour)
 
 
-def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int) -> list[tuple[str, Style | None]]:
+def _plain_text(e: TimelineEvent, slots: StageSlots) -> str:
+    """An op's text in the plain view: ``F3``, ``b3'``, ``F3|b5'``."""
+    return "|".join(plain_label(op.kind, op.mb, slots.second(e.rank, op)) for op in event_ops(e))
+
+
+def _plain_cell(e: TimelineEvent, slots: StageSlots, width: int) -> str:
+    """``width`` characters for an op in the plain view: its full text, else its kind code(s), then dots."""
+    text = _plain_text(e, slots)
+    if len(text) > width:
+        text = "".join(CODES.get(op.kind, "?") + (SECOND_STAGE if slots.second(e.rank, op) else "")
+                       for op in event_ops(e))
+    if len(text) > width:
+        text = text[:1]
+    return text + PLAIN_FILL * (width - len(text))
+
+
+def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int, slots: StageSlots,
+               plain: bool = False) -> list[tuple[str, Style | None]]:
     """Characters and styles of one rank's row of ``ncols`` columns."""
     chars = [" "] * ncols
     styles: list[Style | None] = [None] * ncols
@@ -40,12 +67,15 @@ def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int)
     prev_end, prev_key, shade = -1, None, 0
     for e in events:
         a, b = (e.start - t0) * scale, (e.end - t0) * scale
-        key = (e.op, e.chain)
+        key = (e.op, slots.event(e))
         if b - a >= 1.0:  # at least one column: a cell of its own
             c0, c1 = min(round(a), ncols), min(round(b), ncols)
             shade = 1 - shade if (c0 == prev_end and key == prev_key) else 0
             prev_end, prev_key = c1, key
-            st = _style(e.op, e.chain, shade)
+            if plain:
+                chars[c0:c1] = _plain_cell(e, slots, c1 - c0)
+                continue
+            st = _style(e.op, key[1], shade)
             for c in range(c0, c1):
                 styles[c], chars[c] = st, " "
             label = cell_label(e)
@@ -60,9 +90,12 @@ def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int)
             share[key] = share.get(key, 0.0) + (nxt - a)
             a, col = nxt, col + 1
     for col, share in tiny.items():
-        if styles[col] is None and sum(share.values()) >= 0.5:
-            kind, chain = max(share, key=share.__getitem__)
-            styles[col] = _style(kind, chain)
+        if styles[col] is None and chars[col] == " " and sum(share.values()) >= 0.5:
+            kind, slot = max(share, key=share.__getitem__)
+            if plain:
+                chars[col] = CODES.get(kind, kind[:1])
+            else:
+                styles[col] = _style(kind, slot)
     return list(zip(chars, styles, strict=True))
 
 
@@ -102,15 +135,25 @@ def _axis(label_w: int, span: float, scale: float, ncols: int) -> Text:
     return Text(" " * (label_w + 1) + "".join(line), style="dim", no_wrap=True, overflow="crop")
 
 
-def _legend(timeline: Timeline, width: int) -> list[Text]:
-    """Swatches of the kinds present (chain 1's tints after them), wrapped to ``width``."""
-    present = {(e.op, e.chain % 2) for e in timeline.compute_events()}
+def _legend(timeline: Timeline, width: int, plain: bool = False) -> list[Text]:
+    """Swatches of the kinds present (the second stages' tints after them), wrapped to ``width``;
+    in the plain view, the codes instead of swatches."""
+    slots = StageSlots(timeline)
+    present = {(e.op, slots.event(e) % 2) for e in timeline.compute_events()}
     kinds = [kind for kind in KINDS if (kind, 0) in present or (kind, 1) in present]
-    entries = [(f" {kind} ", _style(kind, 0), f" {KIND_NAMES[kind]}  ") for kind in kinds]
-    chain1 = [kind for kind in kinds if (kind, 1) in present]
-    if chain1:
-        entries.append(("", None, "chain 1 (reverse direction): "))
-        entries += [(f" {kind} ", _style(kind, 1), " ") for kind in chain1]
+    if plain:
+        entries = [(f"{CODES[kind]}", None, f" {KIND_NAMES[kind]}  ") for kind in kinds if kind in CODES]
+        if OpKind.FB in kinds:
+            entries.append(("F3|b5", None, f" {KIND_NAMES[OpKind.FB]}  "))
+        if slots.multi:
+            entries.append((SECOND_STAGE, None, f" {SECOND_STAGE_NAME}  "))
+        entries.append((PLAIN_FILL, None, " busy, blank idle"))
+    else:
+        entries = [(f" {kind} ", _style(kind, 0), f" {KIND_NAMES[kind]}  ") for kind in kinds]
+        second = [kind for kind in kinds if (kind, 1) in present]
+        if second:
+            entries.append(("", None, f"{SECOND_STAGE_NAME}: "))
+            entries += [(f" {kind} ", _style(kind, 1), " ") for kind in second]
     lines = [Text(no_wrap=True, overflow="crop")]
     for swatch, style, name in entries:
         if lines[-1].cell_len and lines[-1].cell_len + len(swatch) + len(name) > width:
@@ -142,15 +185,32 @@ def _shown_ranks(num_ranks: int, max_ranks: int) -> tuple[list[int], int]:
     return list(range(head)) + list(range(num_ranks - tail, num_ranks)), head
 
 
+PLAIN_COLUMNS_PER_OP = 4  # a typical op's text ("F12'") fits
+PLAIN_MAX_WIDTH = 400
+
+
+def plain_width(timeline: Timeline) -> int:
+    """A width for the plain view of a file or pipe (no terminal to fit): wide enough for a typical
+    op's text, at least 80 and at most ``PLAIN_MAX_WIDTH`` columns."""
+    durs = sorted(e.end - e.start for e in timeline.compute_events() if e.end > e.start)
+    if not durs:
+        return 80
+    span = max(e.end for e in timeline.compute_events()) - start_time(timeline)
+    ncols = math.ceil(PLAIN_COLUMNS_PER_OP * span / durs[len(durs) // 2])
+    label_w = len(f"r{timeline.num_ranks - 1}") + 1
+    return max(80, min(PLAIN_MAX_WIDTH, label_w + 2 + len(_SUFFIX) + ncols))
+
+
 def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | None = None,
-                  metrics: SimResult | None = None, max_ranks: int = 32):
+                  metrics: SimResult | None = None, max_ranks: int = 32, plain: bool = False):
     """A rich renderable of ``timeline``: rank rows scaled to ``width`` columns, a legend and metrics.
 
     ``width`` defaults to the terminal's; ``metrics`` (the simulation result) supplies the numbers,
     otherwise they are computed from the events. More than ``max_ranks`` ranks are summarised.
+    ``plain`` writes each op's kind and micro-batch as text instead of colouring it (for files and pipes).
     """
     if width is None:
-        width = Console().width
+        width = plain_width(timeline) if plain else Console().width
     P = timeline.num_ranks
     summary = Summary.from_sim(metrics) if metrics is not None else Summary.from_timeline(timeline)
     label_w = len(f"r{P - 1}") + 1
@@ -159,6 +219,7 @@ def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | 
     span = max((e.end for e in timeline.compute_events()), default=t0) - t0
     scale = ncols / span if span > 0 else 0.0
     rows = events_by_rank(timeline)
+    slots = StageSlots(timeline)
 
     if title is None:
         title = f"{timeline.name}  P={P} M={timeline.num_microbatches}"
@@ -179,10 +240,10 @@ def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | 
                               f"idle {lo:.1f}..{hi:.1f}%, peak {min(pk)}..{max(pk)}",
                               style="dim", no_wrap=True, overflow="crop"))
         line = Text(f"{'r' + str(r):<{label_w}}│", no_wrap=True, overflow="crop")
-        _append_cells(line, _row_cells(rows[r], t0, scale, ncols))
+        _append_cells(line, _row_cells(rows[r], t0, scale, ncols, slots, plain))
         line.append(f"│{pct[r]:6.1f}%{summary.peak_activations[r]:>6}")
         lines.append(line)
     lines.append(_axis(label_w, span, scale, ncols))
-    lines.extend(_legend(timeline, width))
+    lines.extend(_legend(timeline, width, plain))
     lines.append(_metrics_line(summary))
     return Group(*lines)

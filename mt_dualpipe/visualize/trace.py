@@ -2,7 +2,7 @@
 
 Open the file in ui.perfetto.dev or chrome://tracing. Thread 0 of each rank's process holds the
 compute ops (an FB unit is one slice), thread 1 the communication ops of measured runs. Every
-cross-rank dependency (an F feeding the next stage's F, a B feeding the previous stage's B) is a
+dependency between ranks (what ``schedules.ops`` says an op waits for, made on another rank) is a
 flow arrow. Trace times are microseconds: measured timelines (seconds) are converted exactly;
 simulated ones, in cost units, use 1 unit = 1 ms, so ``ts = (start - t0) * 1000`` (unless their
 ``meta["time_unit"]`` is "s": a simulation run with costs measured in seconds).
@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..schedules.ops import makes, needs
 from ..schedules.timeline import Timeline, TimelineEvent
-from .metrics import start_time
+from .metrics import event_ops, start_time
 from .style import cell_label, describe
 
 US_PER_SECOND = 1e6
@@ -28,30 +29,25 @@ def time_scale(timeline: Timeline) -> float:
     return US_PER_SECOND if seconds else US_PER_UNIT
 
 
-def _producers(events: list[TimelineEvent]) -> dict[tuple[str, int, int, int], int]:
-    """(F|B, chain, stage, mb) -> index of the event that produces that tensor."""
-    out: dict[tuple[str, int, int, int], int] = {}
+def num_stages(events: list[TimelineEvent]) -> int:
+    """Stages per chain of the schedule a timeline ran: one past the highest stage any op ran."""
+    return 1 + max((op.stage for e in events for op in event_ops(e)), default=-1)
+
+
+def _producers(events: list[TimelineEvent]) -> dict[tuple, int]:
+    """(signal, chain, stage, mb) -> index of the event that makes that signal (``ops.makes``)."""
+    out: dict[tuple, int] = {}
     for i, e in enumerate(events):
-        if e.op in ("F", "FB"):
-            out[("F", e.chain, e.stage, e.mb)] = i
-        back = e.pair if e.pair is not None else (e.op, e.chain, e.stage, e.mb)
-        if back[0] in ("B", "BW"):
-            out[("B", back[1], back[2], back[3])] = i
+        for op in event_ops(e):
+            made = makes(op)
+            if made is not None:
+                out[made] = i
     return out
 
 
-def _needs(e: TimelineEvent) -> list[tuple[str, int, int, int]]:
-    """The cross-stage inputs of an event: the previous stage's F, the next stage's B."""
-    parts = [(e.op if e.pair is None else "F", e.chain, e.stage, e.mb)]
-    if e.pair is not None:
-        parts.append(e.pair)
-    needs = []
-    for kind, c, s, m in parts:
-        if kind == "F" and s > 0:
-            needs.append(("F", c, s - 1, m))
-        elif kind in ("B", "BW"):
-            needs.append(("B", c, s + 1, m))
-    return needs
+def _needs(e: TimelineEvent, stages: int) -> list[tuple]:
+    """The signals an event waits for (``ops.needs``); the flows keep those made on another rank."""
+    return [need for op in event_ops(e) for need in needs(op, stages)]
 
 
 def trace_events(timeline: Timeline, *, pid_base: int = 0, label: str | None = None,
@@ -78,16 +74,17 @@ def trace_events(timeline: Timeline, *, pid_base: int = 0, label: str | None = N
                     "ts": (e.start - t0) * scale, "dur": (e.end - e.start) * scale,
                     "args": dict(args, op=describe(e))})
     producers = _producers(compute)
+    stages = num_stages(compute)
     flow = flow_base
     for e in compute:
-        for need in _needs(e):
+        for need in _needs(e, stages):
             i = producers.get(need)
             if i is None or compute[i].rank == e.rank:
                 continue
             src = compute[i]
             src_ts, src_dur = (src.start - t0) * scale, (src.end - src.start) * scale
             dst_ts, dst_dur = (e.start - t0) * scale, (e.end - e.start) * scale
-            common = {"name": f"{need[0]} c{need[1]} s{need[2]} m{need[3]}", "cat": "dependency", "id": flow}
+            common = {"name": f"{need[0].value} c{need[1]} s{need[2]} m{need[3]}", "cat": "dependency", "id": flow}
             out.append(dict(common, ph="s", pid=pid_base + src.rank, tid=COMPUTE_TID, ts=src_ts + 0.9 * src_dur))
             out.append(dict(common, ph="f", bp="e", pid=pid_base + e.rank, tid=COMPUTE_TID,
                             ts=dst_ts + 0.1 * dst_dur))

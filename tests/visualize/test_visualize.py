@@ -13,6 +13,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,11 @@ from rich.console import Console
 from mt_dualpipe.cli import main as cli_main
 from mt_dualpipe.schedules import Costs, ScheduleError, accepts, build_schedule, list_schedules, simulate
 from mt_dualpipe.schedules.ir import compute_parts
-from mt_dualpipe.schedules.timeline import Timeline, TimelineEvent
+from mt_dualpipe.schedules.timeline import TimelineEvent
 from mt_dualpipe.visualize import (
     GraphvizNotFound,
     Summary,
+    chrome_trace,
     costs_from_timeline,
     dependency_graph,
     render_comparison,
@@ -33,50 +35,10 @@ from mt_dualpipe.visualize import (
 )
 from mt_dualpipe.visualize.depgraph import dependencies
 from mt_dualpipe.visualize.render import drawing_size
+from mt_dualpipe.visualize.terminal import plain_width
+from tests.helpers.diagrams import ROOT, SVG, measured, needs_dot, render_text, sim, svg_boxes, svg_groups, svg_text
 
-ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
-SVG = "{http://www.w3.org/2000/svg}"
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` not installed (.ci/run installs it)")
-
-
-def sim(name: str, P: int, M: int, costs: Costs | None = None):
-    return simulate(build_schedule(name, P, M), costs or Costs(1, 1, 1))
-
-
-def measured(name: str = "dualpipe", P: int = 4, M: int = 8) -> tuple[Timeline, int]:
-    """A recorded-run lookalike: seconds from an arbitrary origin, plus a SEND_F after each non-last F."""
-    res = sim(name, P, M, Costs(2, 3, 1))
-    schedule = build_schedule(name, P, M)
-    last = schedule.num_stages() - 1
-    events, comms = [], 0
-    for e in res.timeline:
-        events.append(e._replace(start=100.0 + e.start * 0.01, end=100.0 + e.end * 0.01))
-        if e.op == "F" and e.stage < last:
-            end = 100.0 + e.end * 0.01
-            events.append(TimelineEvent(e.rank, "SEND_F", e.chain, e.stage, e.mb, end, end + 0.002, lane="comm"))
-            comms += 1
-    return Timeline(name, P, M, events, "measured"), comms
-
-
-def svg_boxes(path: str, cls: str = "op") -> dict[str, tuple[float, float]]:
-    """id -> (left x, right x) in points of every <g> whose class has token ``cls``."""
-    root = ET.parse(path).getroot()
-    graph = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "graph")
-    zoom = float(re.match(r"scale\(([\d.]+)", graph.get("transform")).group(1))
-    out = {}
-    for g in root.iter(f"{SVG}g"):
-        if cls in g.get("class", "").split():
-            poly = next(g.iter(f"{SVG}polygon"))
-            xs = [float(p.split(",")[0]) * zoom for p in poly.get("points").split()]
-            assert g.get("id") not in out
-            out[g.get("id")] = (min(xs), max(xs))
-    return out
-
-
-def svg_text(path: str) -> str:
-    """All text drawn in an SVG, one line per <text> element."""
-    return "\n".join("".join(t.itertext()) for t in ET.parse(path).getroot().iter(f"{SVG}text"))
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -224,20 +186,19 @@ def test_comparison_trace_names_each_schedule(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- terminal
-def render_text(renderable, width: int, styles: bool) -> str:
-    console = Console(width=width, record=True, color_system="truecolor", force_terminal=True, file=io.StringIO())
-    console.print(renderable)
-    return console.export_text(styles=styles)
-
-
-@pytest.mark.parametrize("styles,suffix", [(False, "txt"), (True, "ansi")])
-def test_terminal_matches_snapshot(styles, suffix):
-    res = sim("dualpipe", 4, 8)
-    out = render_text(terminal_view(res.to_timeline(), width=100, metrics=res), 100, styles)
-    snap = SNAPSHOTS / f"terminal_dualpipe_P4_M8_w100.{suffix}"
+@pytest.mark.parametrize("name,plain,width", [("dualpipe", False, 100), ("dualpipe", True, 100), ("zbv", True, None)])
+def test_terminal_matches_snapshot(name, plain, width):
+    """Colour view (.ansi, with its escape codes) and the plain view a pipe gets (.txt, no colour;
+    without a width it is made wide enough for each op's text)."""
+    res = sim(name, 4, 8)
+    view = terminal_view(res.to_timeline(), width=width, metrics=res, plain=plain)
+    out = render_text(view, width or plain_width(res.to_timeline()), styles=not plain)
+    snap = SNAPSHOTS / f"terminal_{name}_P4_M8_w{width or 'auto'}.{'txt' if plain else 'ansi'}"
     if os.environ.get("UPDATE_SNAPSHOTS"):
         snap.write_text(out, encoding="utf-8")
     assert out == snap.read_text(encoding="utf-8")
+    if plain:
+        assert "\x1b[" not in out
 
 
 def test_terminal_content_width_colours_and_metrics():
@@ -348,47 +309,6 @@ def test_bad_extension_names_the_allowed_ones(tmp_path):
         render_file(tmp_path / "d.bmp", sim("dualpipe", 4, 8).to_timeline())
 
 
-# ---------------------------------------------------------------------------------------------- CLI, example
-def test_cli_render_schedule_and_timeline(tmp_path, capsys):
-    out = tmp_path / "d.json"
-    assert cli_main(["render", "dualpipev", "-p", "4", "-m", "8", "--costs", "1,2,1", "-o", str(out)]) == 0
-    slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
-    res = sim("dualpipev", 4, 8, Costs(1, 2, 1))
-    assert len(slices) == len(res.timeline) and max(e["ts"] + e["dur"] for e in slices) == res.makespan * 1000
-    tl, _ = measured()
-    run = tmp_path / "run.json"
-    run.write_text(tl.to_json())
-    trace = tmp_path / "run_trace.json"
-    assert cli_main(["render", "--timeline", str(run), "-o", str(trace), "--against", "dualpipe"]) == 0
-    names = [e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "process_name"]
-    assert names[0] == "measured / rank 0" and names[-1] == "simulated / rank 3"
-    # the simulation (costs measured from the run) is in the run's seconds: same makespan in the trace
-    ends = {}
-    for e in json.loads(trace.read_text())["traceEvents"]:
-        if e["ph"] == "X" and e["tid"] == 0:
-            ends[e["pid"] // 4] = max(ends.get(e["pid"] // 4, 0.0), e["ts"] + e["dur"])
-    assert ends[0] == pytest.approx(ends[1]) == pytest.approx(tl.makespan * 1e6)
-    capsys.readouterr()
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["render", "-o", "x.svg"], "needs a schedule NAME (with -p and -m) or --timeline run.json"),
-    (["render", "dualpipe", "-o", "x.svg"], "render dualpipe needs -p RANKS and -m MICROBATCHES"),
-    (["render", "dualpipe", "-p", "4", "-m", "8", "--against", "dualpipe"], "--against NAME draws a simulation"),
-    (["render", "--timeline", "missing.json", "-o", "x.svg"], "cannot read timeline 'missing.json'"),
-    (["render", "dualpipe", "-p", "4", "-m", "8", "--virtual-stages", "2"], "--virtual-stages applies to"),
-])
-def test_cli_render_errors(argv, message, capsys):
-    assert cli_main(argv) == 2
-    assert message in capsys.readouterr().err
-
-
-def test_cli_render_terminal_without_output(capsys):
-    assert cli_main(["render", "dualpipe", "-p", "4", "-m", "8", "--width", "100"]) == 0
-    out = capsys.readouterr().out
-    assert "makespan 26 · bubble rate 7.69%" in out and out.count("│") == 8
-
-
 def test_visualize_never_imports_the_runtime_or_torch():
     code = ("import sys, mt_dualpipe.visualize, mt_dualpipe.cli.render_cmd; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('mt_dualpipe.runtime')]; "
@@ -406,3 +326,51 @@ def test_example_writes_comparison_and_prints_table(tmp_path):
     assert "P=8 M=20" in proc.stdout and "│ dualpipe  │       66 │      9.09 % │" in proc.stdout
     boxes = svg_boxes(str(out))
     assert len(boxes) >= build_schedule("dualpipe", 8, 20).num_ops() + build_schedule("dualpipev", 8, 20).num_ops()
+
+
+# ---------------------------------------------------------------------------------------------- a rank's two stages
+@needs_dot
+def test_svg_tells_a_v_schedules_two_stages_apart(tmp_path):
+    schedule = build_schedule("zbv", 4, 8)
+    res = simulate(schedule, Costs(1, 1, 1))
+    path = render_file(tmp_path / "zbv.svg", res.to_timeline(), schedule=schedule)
+    fills: dict[tuple[int, str, int], set[str]] = {}
+    for g in svg_groups(path, "op"):
+        classes = g.get("class").split()
+        stage = int(next(c for c in classes if c.startswith("stage"))[5:])
+        rank = int(g.get("id").split("_")[1][1:])
+        kind = classes[classes.index("op") + 1]
+        assert "".join("".join(t.itertext()) for t in g.iter(f"{SVG}text")).endswith(f"s{stage}")
+        fills.setdefault((rank, kind, stage), set()).add(next(g.iter(f"{SVG}polygon")).get("fill"))
+    # rank 0 runs stage 0 going down and stage 7 coming back: same kind, its own colour for each
+    for kind in ("F", "B", "W"):
+        assert len(fills[(0, kind, 0)]) == len(fills[(0, kind, 7)]) == 1
+        assert fills[(0, kind, 0)] != fills[(0, kind, 7)]
+    assert "the rank's second stage (chain 1, a V's way back, the next chunk)" in svg_text(path)
+
+
+def test_dot_labels_only_multi_stage_ranks_with_their_stage(tmp_path):
+    for name, expect in (("dualpipev", True), ("1f1b", False)):
+        res = sim(name, 2, 4)
+        text = Path(render_file(tmp_path / f"{name}.dot", res.to_timeline())).read_text()
+        assert bool(re.search(r'label="\d+\\ns\d+"', text)) is expect, name
+
+
+# ---------------------------------------------------------------------------------------------- one rule for deps
+def test_depgraph_and_trace_follow_the_op_rules(monkeypatch):
+    """Change what W waits for in ``schedules.ops`` and both diagrams change with it: they derive nothing."""
+    from mt_dualpipe.schedules import ops
+
+    schedule = build_schedule("zb-h1", 2, 2)
+    before = dependencies(schedule)
+    flows_before = sum(e["ph"] == "s" for e in chrome_trace([(None, sim("zb-h1", 2, 2).to_timeline())])["traceEvents"])
+    # hypothetical rule: W also waits for the activation of the previous stage (made on the other rank)
+    w = ops.RULES[ops.W]
+    monkeypatch.setitem(ops.RULES, ops.W, replace(w, needs=w.needs + ((ops.ACT, -1),)))
+    after = dependencies(schedule)
+    extra = [d for d in after if d not in before]
+    where = {(r, i): item for r, i, item in schedule.iter_ops()}
+    assert len(extra) == 2 and all(where[dst].kind == "W" and where[dst].stage == 1 and where[src].kind == "F"
+                                   and where[src].stage == 0 and kind == "activation" for src, dst, kind in extra)
+    flows = sum(e["ph"] == "s" for e in chrome_trace([(None, sim("zb-h1", 2, 2).to_timeline())])["traceEvents"])
+    assert flows == flows_before + 2

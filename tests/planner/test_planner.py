@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from mt_dualpipe.cli import main
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, SystemSpec, estimate, load_system, plan
 from mt_dualpipe.planner.estimate import a2a_time, activation_peak_bytes, partition
 from mt_dualpipe.planner.system import parse_size_gb
@@ -129,44 +128,10 @@ def test_system_presets_and_simumax_layout(tmp_path):
 def test_model_json_errors(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text(json.dumps({"hidden_size": 8}))
-    with pytest.raises(ScheduleError, match="model description lacks head_num, layer_num, vocab_size"):
+    with pytest.raises(ScheduleError, match=r"model description \S+m.json lacks head_num, layer_num, vocab_size"):
         ModelSpec.load(str(bad))
     with pytest.raises(ScheduleError, match="neither a bundled model"):
         ModelSpec.load("gpt-17")
-
-
-def test_cli_plan(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "512", "--global-batch", "1024", "--pp", "16",
-               "--gpu-memory", "80GB", "--gpu-tflops", "989", "--net-gbps", "400", "--dtype", "fp8",
-               "--top", "3", "--json", str(out)])
-    assert rc == 0
-    text = capsys.readouterr().out
-    assert "schedule" in text and "mem GB" in text
-    data = json.loads(out.read_text())
-    assert data["format"] == "mt-dualpipe.plan/1" and data["gpus"] == 512
-    first = data["configurations"][0]
-    assert first["pp"] == 16 and first["pp"] * first["dp"] == 512 and first["tp"] == 1
-    assert set(first["memory_gb"]) == {"weights", "gradients", "optimizer", "activations", "total"}
-
-
-def test_cli_plan_strategy_json(tmp_path, capsys):
-    strat = tmp_path / "s.json"
-    strat.write_text(json.dumps({"seq_len": 4096, "micro_batch_size": 1, "tp_size": 1, "pp_size": 16, "ep_size": 64,
-                                 "zero_state": 1, "dtype": "fp8"}))
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat), "--top", "3"])
-    assert rc == 0
-    assert "ranks" in capsys.readouterr().out
-    strat.write_text(json.dumps({"tp_size": 8}))
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat)])
-    assert rc == 2
-    assert "tensor parallelism is not modelled" in capsys.readouterr().err
-
-
-def test_cli_plan_bad_memory(capsys):
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "64", "--gpu-memory", "eighty"])
-    assert rc == 2
-    assert "--gpu-memory must look like '80GB'" in capsys.readouterr().err
 
 
 def test_plan_with_auto_schedule(v3, monkeypatch):
@@ -196,3 +161,82 @@ def test_dense_model_in_simumax_layout(tmp_path):
     assert result.ranked and all(e.strategy.ep == 1 for e in result.ranked + result.rejected)
     with pytest.raises(ScheduleError, match="unknown schedule 'foo'; available:"):
         plan(model, PRESETS["a100"], 64, 512, schedules=("foo",))
+
+
+# ----- stage counts, placements and the schedule cache come from the registry ---------------------
+def test_stage_counts_from_the_registry_without_building_a_schedule(monkeypatch):
+    import importlib
+
+    est_mod = importlib.import_module("mt_dualpipe.planner.estimate")
+
+    def no_build(*args, **kwargs):
+        raise AssertionError(f"the planner built a schedule to count its stages: {args}")
+
+    monkeypatch.setattr(est_mod, "build_schedule", no_build)
+    counts = {(s, v): est_mod.num_stages(Strategy(4, s, 8, virtual_stages=v))
+              for s, v in [("1f1b", 1), ("zbv", 1), ("dualpipev", 1), ("dualpipe", 1), ("interleaved-1f1b", 3),
+                           ("gpipe", 1)]}
+    assert counts == {("1f1b", 1): 4, ("zbv", 1): 8, ("dualpipev", 1): 8, ("dualpipe", 1): 4,
+                      ("interleaved-1f1b", 3): 12, ("gpipe", 1): 4}
+    assert est_mod.num_stages(Strategy(4, "auto", 8, placement="v")) == 8
+    assert est_mod.num_stages(Strategy(4, "auto", 8, placement="dual")) == 4
+    with pytest.raises(ScheduleError, match="schedule 'auto' needs a placement"):
+        est_mod.num_stages(Strategy(4, "auto", 8))
+
+
+def test_hand_schedules_are_cached_within_a_bound(v3):
+    from mt_dualpipe.planner.estimate import SCHEDULE_CACHE_SIZE, hand_schedule
+
+    hand_schedule.cache_clear()
+    estimate(v3, PRESETS["h800"], Strategy(8, "zbv", 32, ep=8, dp=64))
+    estimate(v3, PRESETS["h800"], Strategy(8, "zbv", 32, ep=64, dp=64))  # same schedule, other parallelism
+    info = hand_schedule.cache_info()
+    assert (info.hits, info.misses, info.maxsize) == (1, 1, SCHEDULE_CACHE_SIZE)
+    for m in range(1, SCHEDULE_CACHE_SIZE + 20):
+        hand_schedule("1f1b", 2, m)
+    assert hand_schedule.cache_info().currsize == SCHEDULE_CACHE_SIZE
+
+
+def test_auto_searches_the_placement_the_registry_gives():
+    from mt_dualpipe.planner.search import auto_placement
+    from mt_dualpipe.schedules import list_schedules
+
+    got = {info.name: auto_placement(info.name) for info in list_schedules()}
+    assert got == {"auto": None, "dualpipe": "dual", "dualpipev": "v", "zbv": "v", "gpipe": "linear",
+                   "1f1b": "linear", "zb-h1": "linear", "zb-h2": "linear", "interleaved-1f1b": None}
+
+
+# ----- model descriptions: aliases, unknown keys ------------------------------------------------------
+LLAMA2_7B_MEGATRON = {"model_name": "llama2-7b", "hidden_size": 4096, "num_layers": 32, "ffn_hidden_size": 11008,
+                      "vocab_size": 32000, "num_attention_heads": 32}
+
+
+def test_megatron_and_hf_names_are_read_as_simumax_fields(tmp_path):
+    path = tmp_path / "llama2.json"
+    path.write_text(json.dumps(LLAMA2_7B_MEGATRON))
+    model = ModelSpec.load(str(path))
+    assert (model.intermediate_size, model.layer_num, model.head_num) == (11008, 32, 32)
+    assert round(model.total_params() / 1e9, 2) == 6.74  # Llama 2 7B: 6.74 B (8.85 B with the 4h default FFN)
+    assert model.source == str(path)
+    hf = {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
+          "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "model_type": "llama"}
+    assert ModelSpec.from_dict(hf).total_params() == model.total_params()
+    moe = ModelSpec.from_dict({"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100, "num_attention_heads": 4,
+                               "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "first_k_dense_replace": 1})
+    assert (moe.expert_num, moe.topk, moe.moe_ffn_hidden_size, moe.dense_layers) == (8, 2, 32, 1)
+
+
+def test_unknown_model_keys_are_an_error_naming_the_accepted_ones(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(dict(LLAMA2_7B_MEGATRON, ffn_hiden_size=11008, rope_theta=1e4)))
+    with pytest.raises(ScheduleError) as err:
+        ModelSpec.load(str(path))
+    msg = str(err.value)
+    assert msg.startswith(f"model description {path} has unknown key(s) 'ffn_hiden_size' (did you mean "
+                          "'ffn_hidden_size'?), 'rope_theta'; accepted: hidden_size, head_num, layer_num, vocab_size, "
+                          "intermediate_size,")
+    assert "ffn_hidden_size (intermediate_size)" in msg and "num_hidden_layers (layer_num)" in msg
+    with pytest.raises(ScheduleError, match=r"layer_num twice with different values \(num_layers=30 and layer_num=32"):
+        ModelSpec.from_dict(dict(LLAMA2_7B_MEGATRON, layer_num=32, num_layers=30))
+    assert ModelSpec.from_dict(dict(LLAMA2_7B_MEGATRON, _comment="comments start with _")).layer_num == 32

@@ -9,7 +9,7 @@ ds = pytest.importorskip("mt_dualpipe.integrations.deepseek_v3")
 runtime = pytest.importorskip("mt_dualpipe.runtime.modules")
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate  # noqa: E402
-from mt_dualpipe.planner.profile import _SavedBytes  # noqa: E402
+from mt_dualpipe.planner.profile import SavedBytes  # noqa: E402
 from tests.helpers.dist import run_ranks  # noqa: E402
 
 SEQ, M, P = 64, 4, 2
@@ -34,7 +34,7 @@ def _rank(rank: int, world: int) -> dict:
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
     # bytes one in-flight micro-batch keeps on this stage (what autograd saves for its backward)
     x = tokens[:1] if rank == 0 else torch.randn(1, SEQ, cfg.dim, requires_grad=True)
-    with _SavedBytes(list(module.parameters())) as saved:
+    with SavedBytes(list(module.parameters())) as saved:
         out = module(x)
         if last:
             module.criterion(out, labels[:1])
