@@ -13,9 +13,14 @@ On each rank (see ``examples/deepseek_v3_repro.py`` for the whole loop)::
     sync_replicas(mods, dist.group.WORLD)              # mirrored copies + the MTP embedding copy
     opt.step(); opt.zero_grad()
     sync_replicas(mods, dist.group.WORLD, what="load"); update_expert_bias(nn.ModuleList(mods))
+
+Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3Config.from_hf(path)``,
+``DeepSeekV3Model.from_pretrained(path)`` / ``save_pretrained(path)``, per-stage
+``stages_for_rank(..., checkpoint=path)`` and ``save_pipeline_checkpoint(mods, path)`` from all ranks.
 """
 
-from .config import DeepSeekV3Config
+from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
+from .config import DeepSeekV3Config, YarnScaling
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, language_model_losses
 from .moe import MoE, max_violation, set_aux_loss_scale, update_expert_bias
 from .stages import (
@@ -36,5 +41,6 @@ __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
     "build_stages", "criterion_for", "dualpipe_stage_ids", "language_model_losses", "max_violation",
     "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "stage_layer_ids", "stages_for_rank",
-    "sync_replicas", "update_expert_bias", "v_stage_ids",
+    "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint", "CheckpointError", "YarnScaling",
+    "save_pipeline_checkpoint",
 ]

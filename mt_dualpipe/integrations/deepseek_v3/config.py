@@ -1,21 +1,78 @@
-"""DeepSeek-V3 hyper-parameters, with the published 671B configuration and a CPU-sized preset.
+"""DeepSeek-V3 hyper-parameters, with the released 671B configuration and a CPU-sized preset.
 
 One frozen dataclass carries every size the model, the pipeline split and the losses need, so a
 stage built on one rank and the reference model built in a test agree by construction.
+``from_hf`` / ``to_hf`` translate the Hugging Face ``config.json`` (the released checkpoint's own
+format, see ``hf_config.py``): a checkpoint is described by its config, not by a preset name.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
+SCORING_FUNCS = ("sigmoid", "softmax")
+TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (Peng et al. 2023) as the released DeepSeek-V3 config and transformers define it.
+
+    ``factor`` stretches the context from ``original_max_position_embeddings``; frequencies whose
+    wavelength fits fewer than ``beta_slow`` rotations are interpolated, more than ``beta_fast``
+    extrapolated, a linear ramp in between. ``attention_factor`` scales cos/sin (None: derived from
+    ``mscale`` / ``mscale_all_dim``); a non-zero ``mscale_all_dim`` also multiplies the softmax
+    scale by ``(0.1·mscale_all_dim·ln(factor) + 1)²``.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1:
+            raise ValueError(f"rope_scaling.factor must be >= 1, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
+                             f"{self.original_max_position_embeddings}")
+
+    @staticmethod
+    def mscale_of(factor: float, mscale: float = 1.0) -> float:
+        """YaRN's magnitude correction 0.1·mscale·ln(factor) + 1 (1 when not stretched)."""
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    def cos_sin_factor(self) -> float:
+        """The factor transformers applies to cos and sin (its ``attention_factor``)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return self.mscale_of(self.factor, self.mscale) / self.mscale_of(self.factor, self.mscale_all_dim)
+        return self.mscale_of(self.factor)
+
+    def softmax_factor(self) -> float:
+        """What multiplies the attention softmax scale: mscale(factor, mscale_all_dim)² when set."""
+        return self.mscale_of(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+
+_YARN_671B = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                         mscale=1.0, mscale_all_dim=1.0)
+
 _PRESETS: dict[str, dict[str, Any]] = {
-    # DeepSeek-V3 technical report §4.2 and the released config_671B.json.
+    # The released deepseek-ai/DeepSeek-V3 config.json (tests/integrations hold its values); the
+    # training-objective weights and init std stay at the technical report's §4.2 values.
     "671b": dict(
         vocab_size=129280, dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_dense_layers=3,
         n_heads=128, n_routed_experts=256, n_shared_experts=1, n_activated_experts=8, n_expert_groups=8,
         n_limited_groups=4, route_scale=2.5, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, mtp_depth=1, max_seq_len=4096,
+        qk_rope_head_dim=64, v_head_dim=128, mtp_depth=1, max_seq_len=163840, rope_scaling=_YARN_671B,
     ),
     # Trains on a laptop CPU in seconds; keeps every structural feature of the full model
     # (dense first layer, shared + routed experts, group-limited routing, MLA with LoRA ranks, MTP).
@@ -34,6 +91,12 @@ class DeepSeekV3Config:
 
     ``mtp_loss_weight`` is λ, ``balance_loss_weight`` is α of the sequence-wise balance loss and
     ``bias_update_speed`` is γ of the auxiliary-loss-free balancing (report §2.1.2, §2.2, §4.2).
+    Routing: ``scoring_func`` sigmoid (V3) or softmax (V2); ``topk_method`` ``noaux_tc`` (groups
+    scored by their two best bias-corrected affinities, V3), ``group_limited_greedy`` (groups scored
+    by their best affinity, no bias, V2) or ``greedy`` (plain top-k); ``norm_topk_prob`` normalises
+    the chosen weights to sum 1 before ``route_scale``. ``rope_interleave``: RoPE rotates consecutive
+    pairs (the released layout) rather than the two halves. ``hf_extra`` keeps the Hugging Face
+    fields that do not shape the model (token ids, dtype, ...) so ``to_hf`` gives them back.
     """
 
     vocab_size: int = 129280
@@ -62,6 +125,12 @@ class DeepSeekV3Config:
     max_seq_len: int = 4096
     norm_eps: float = 1e-6
     init_std: float = 0.006
+    rope_scaling: YarnScaling | None = None
+    rope_interleave: bool = True
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
@@ -77,17 +146,29 @@ class DeepSeekV3Config:
             raise ValueError(f"n_dense_layers ({self.n_dense_layers}) must be <= n_layers ({self.n_layers})")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; choose one of {SCORING_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method {self.topk_method!r} is not supported; choose one of {TOPK_METHODS}")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
         if self.n_routed_experts % self.n_expert_groups:
             raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by "
                              f"n_expert_groups ({self.n_expert_groups})")
         if not 1 <= self.n_limited_groups <= self.n_expert_groups:
             raise ValueError(f"n_limited_groups must be in 1..n_expert_groups ({self.n_expert_groups}), "
                              f"got {self.n_limited_groups}")
+        if self.topk_method == "greedy":
+            if self.n_activated_experts > self.n_routed_experts:
+                raise ValueError(f"n_activated_experts ({self.n_activated_experts}) must be <= n_routed_experts "
+                                 f"({self.n_routed_experts})")
+            return
         per_group = self.n_routed_experts // self.n_expert_groups
         if self.n_activated_experts > self.n_limited_groups * per_group:
             raise ValueError(f"n_activated_experts ({self.n_activated_experts}) must be <= the experts in the "
                              f"selected groups ({self.n_limited_groups} x {per_group})")
-        if self.n_expert_groups > 1 and per_group < 2:
+        if self.topk_method == "noaux_tc" and self.n_expert_groups > 1 and per_group < 2:
             raise ValueError("group-limited routing scores a group by its top-2 experts: each group needs >= 2")
 
     @property
@@ -102,9 +183,15 @@ class DeepSeekV3Config:
         """Layers ``0..n_dense_layers-1`` are dense; later ones, MTP blocks included, are MoE."""
         return layer_id >= self.n_dense_layers
 
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_head_dim), times YaRN's mscale² when the rope is scaled."""
+        scale = self.qk_head_dim ** -0.5
+        return scale * self.rope_scaling.softmax_factor() if self.rope_scaling is not None else scale
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> DeepSeekV3Config:
-        """``"671b"`` (the published model) or ``"tiny"`` (CPU-sized); keyword overrides win."""
+        """``"671b"`` (the released model) or ``"tiny"`` (CPU-sized); keyword overrides win."""
         if name not in _PRESETS:
             raise ValueError(f"unknown DeepSeek-V3 preset {name!r}; choose one of {sorted(_PRESETS)}")
         known = {f.name for f in fields(cls)}
@@ -116,6 +203,27 @@ class DeepSeekV3Config:
     @staticmethod
     def presets() -> list[str]:
         return sorted(_PRESETS)
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any], **overrides: Any) -> DeepSeekV3Config:
+        """From a Hugging Face ``config.json`` (a dict, the file, or the checkpoint folder holding it).
+
+        Every field that shapes the model is read; a value this implementation cannot run (another
+        activation, GQA, attention bias, tied embeddings, an unknown rope type, ...) or a field it does
+        not know raises ``ValueError`` naming it. ``overrides`` set training-only fields
+        (``mtp_loss_weight``, ...) or replace read ones.
+        """
+        from .hf_config import config_kwargs_from_hf, read_config_json
+
+        data = read_config_json(source) if not isinstance(source, dict) else source
+        kwargs = config_kwargs_from_hf(data)
+        return cls(**{**kwargs, **overrides})
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict (model_type ``deepseek_v3``) describing this model."""
+        from .hf_config import config_to_hf
+
+        return config_to_hf(self)
 
     def replace(self, **changes: Any) -> DeepSeekV3Config:
         return replace(self, **changes)

@@ -9,8 +9,8 @@ which is what makes ep=N results match ep=1. Combine is the exact reverse.
 ``all_to_all`` is differentiable (its backward is the reverse all-to-all); ``start_all_to_all``
 is the non-blocking form used by the overlapped forward/backward. Both work on gloo.
 
-Every wait is bounded by ``timeout()`` seconds (``set_timeout`` changes it; default 300 s, the
-pipeline's default): an all-to-all whose partner rank failed or hangs raises
+Every wait is bounded by the MoE layer's ``ep_timeout`` seconds (``set_timeout`` changes it; default
+300 s, the pipeline's default): an all-to-all whose partner rank failed or hangs raises
 ``PipelineTimeoutError`` naming the rank, the EP group size and the exchange (dispatch counts,
 dispatch, combine, or the backward of one) instead of blocking forever, so a fault on one rank
 reaches ``Rewind``'s agreement on every rank. On gloo a timed-out collective leaves the group out
@@ -21,7 +21,7 @@ the MoE layers a fresh EP group (``set_ep_group``), as the example's rebuild doe
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,22 +32,22 @@ import torch.nn as nn
 from ...runtime.errors import PipelineCommError, PipelineTimeoutError
 
 DEFAULT_TIMEOUT = 300.0
-_timeout = DEFAULT_TIMEOUT
 
 
-def set_timeout(seconds: float) -> None:
-    """Bound every expert all-to-all wait of this process to ``seconds`` (keep it at most the pipeline's
-    timeout, so ``Rewind``'s agreement, which waits the pipeline's timeout + 60 s, outlasts it)."""
-    global _timeout
+def set_timeout(module: nn.Module | Sequence[nn.Module], seconds: float) -> int:
+    """Bound every expert all-to-all wait of the MoE layers under ``module`` (a model, a stage or a list
+    of stages) to ``seconds``; returns how many layers changed. Keep it at most the pipeline's timeout,
+    so ``Rewind``'s agreement, which waits the pipeline's timeout + 60 s, outlasts it. The bound is
+    each layer's own ``ep_timeout`` (instance state: two models in one process do not share it)."""
+    from .moe import moe_layers
+
     seconds = float(seconds)
     if not seconds > 0:
         raise ValueError(f"the expert all-to-all timeout must be positive, got {seconds!r}")
-    _timeout = seconds
-
-
-def timeout() -> float:
-    """The current bound, in seconds, of an expert all-to-all wait."""
-    return _timeout
+    layers = moe_layers(module if isinstance(module, nn.Module) else nn.ModuleList(module))
+    for m in layers:
+        m.ep_timeout = seconds
+    return len(layers)
 
 
 def set_ep_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
@@ -87,7 +87,8 @@ class DispatchPlan:
     ungroup: torch.Tensor | None
 
 
-def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None) -> DispatchPlan:
+def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None,
+                  timeout: float = DEFAULT_TIMEOUT) -> DispatchPlan:
     """Sort the routed rows by expert and agree on split sizes with the other EP ranks (blocking)."""
     flat = indices.flatten()
     order = torch.argsort(flat, stable=True)
@@ -99,7 +100,7 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
     local = n_experts // size
     recv_counts = torch.empty_like(counts)
     work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)  # [src rank, local expert]
-    _wait(work, group, "dispatch counts")
+    _wait(work, group, "dispatch counts", timeout)
     per_src = recv_counts.view(size, local)
     recv_splits = per_src.sum(1).tolist()
     starts = torch.cumsum(torch.cat([per_src.new_zeros(1), per_src.flatten()]), 0)[:-1].view(size, local)
@@ -110,10 +111,10 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
                         recv_splits, per_src.sum(0).tolist(), regroup, torch.argsort(regroup))
 
 
-def _error(group: dist.ProcessGroup, what: str, exc: BaseException | None) -> PipelineCommError:
+def _error(group: dist.ProcessGroup, what: str, exc: BaseException | None, timeout: float) -> PipelineCommError:
     text = str(exc).strip().splitlines()[0][:200] if exc is not None and str(exc).strip() else ""
     timed_out = exc is None or "imed out" in text
-    how = f"waited more than {_timeout:g}s for" if timed_out else "failed in"
+    how = f"waited more than {timeout:g}s for" if timed_out else "failed in"
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (PipelineTimeoutError if timed_out else PipelineCommError)(
         f"rank {rank} (EP rank {ep_rank(group)} of an EP group of {ep_size(group)}): {how} the expert all-to-all "
@@ -121,27 +122,27 @@ def _error(group: dist.ProcessGroup, what: str, exc: BaseException | None) -> Pi
         + (f" ({text})" if text else ""))
 
 
-def _wait(work: Any, group: dist.ProcessGroup, what: str) -> None:
+def _wait(work: Any, group: dist.ProcessGroup, what: str, timeout: float) -> None:
     """Wait for an all-to-all within the timeout; a failure becomes ``PipelineTimeoutError`` / ``PipelineCommError``."""
     try:
-        ok = work.wait(datetime.timedelta(seconds=_timeout))
+        ok = work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # gloo: RuntimeError("... Operation timed out!") or a closed connection
-        raise _error(group, what, exc) from None
+        raise _error(group, what, exc, timeout) from None
     if ok is False:
-        raise _error(group, what, None)
+        raise _error(group, what, None, timeout)
 
 
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup,
-              what: str) -> Callable[[], torch.Tensor]:
+              what: str, timeout: float) -> Callable[[], torch.Tensor]:
     """Post the all-to-all; the returned callable waits (bounded) and gives the received rows."""
     out = x.new_empty((sum(out_rows), *x.shape[1:]))
     try:
         work = dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows, group=group, async_op=True)
     except RuntimeError as exc:
-        raise _error(group, what, exc) from None
+        raise _error(group, what, exc, timeout) from None
 
     def wait() -> torch.Tensor:
-        _wait(work, group, what)
+        _wait(work, group, what, timeout)
         return out
 
     return wait
@@ -154,28 +155,30 @@ def backward_name(what: str) -> str:
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup,
-                what: str):
-        ctx.out_rows, ctx.in_rows, ctx.group, ctx.what = out_rows, in_rows, group, what
-        return _exchange(x, out_rows, in_rows, group, what)()
+                what: str, timeout: float):
+        ctx.out_rows, ctx.in_rows, ctx.group, ctx.what, ctx.timeout = out_rows, in_rows, group, what, timeout
+        return _exchange(x, out_rows, in_rows, group, what, timeout)()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.in_rows, ctx.out_rows, ctx.group, backward_name(ctx.what))(), None, None, None, None
+        back = _exchange(grad, ctx.in_rows, ctx.out_rows, ctx.group, backward_name(ctx.what), ctx.timeout)
+        return back(), None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: dist.ProcessGroup | None,
-               what: str = "exchange"):
+               what: str = "exchange", timeout: float = DEFAULT_TIMEOUT):
     """Differentiable all-to-all of rows: send ``in_rows[r]`` rows to rank r, get ``out_rows[r]`` back.
     ``what`` ("dispatch", "combine") names it in a timeout error."""
     if ep_size(group) == 1:
         return x
-    return _AllToAll.apply(x, out_rows, in_rows, group, what)
+    return _AllToAll.apply(x, out_rows, in_rows, group, what, timeout)
 
 
 def start_all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
-                     group: dist.ProcessGroup | None, what: str = "exchange") -> Callable[[], torch.Tensor]:
-    """Post a non-blocking all-to-all (no autograd); the returned callable waits (at most ``timeout()``
+                     group: dist.ProcessGroup | None, what: str = "exchange",
+                     timeout: float = DEFAULT_TIMEOUT) -> Callable[[], torch.Tensor]:
+    """Post a non-blocking all-to-all (no autograd); the returned callable waits (at most ``timeout``
     seconds) and gives the rows. ``what`` names it in a timeout error."""
     if ep_size(group) == 1:
         return lambda: x
-    return _exchange(x, out_rows, in_rows, group, what)
+    return _exchange(x, out_rows, in_rows, group, what, timeout)

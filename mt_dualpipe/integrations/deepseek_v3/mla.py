@@ -4,15 +4,21 @@ Queries go through a down/up projection pair (``q_lora_rank``); keys and values 
 compressed latent (``kv_lora_rank``) that is normalised and expanded per head. Position enters
 only through a separate ``qk_rope_head_dim`` part: each head has its own rotary query part, while
 the rotary key part is a single vector shared by all heads. Training-time form (no KV cache).
+
+Rope scaling is YaRN as the released config and transformers define it (``YarnScaling``): blended
+frequencies, cos/sin times ``attention_factor`` and the softmax scale times mscale². RoPE and the
+softmax run in ``compute_dtype`` (float64 for a float64 model, else float32).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DeepSeekV3Config
+from .config import DeepSeekV3Config, YarnScaling
 
 
 class RMSNorm(nn.Module):
@@ -27,19 +33,63 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
 
-def rope_angles(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape (seq_len, dim // 2), for positions 0..seq_len-1."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-    return angles.cos(), angles.sin()
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The precision of RoPE, the attention softmax and the router: float64 for a float64 model
+    (so it can be compared with a reference to 1e-12), float32 for fp32, bf16 and fp16 models."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of the last dim; x is (batch, seq, heads, dim)."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
+def yarn_inv_freq(dim: int, theta: float, yarn: YarnScaling, dtype: torch.dtype) -> torch.Tensor:
+    """YaRN's blend of interpolated (θ_i / factor) and extrapolated (θ_i) frequencies, per rotary pair.
+
+    A pair that turns more than ``beta_fast`` times over the original context keeps its frequency, one
+    that turns fewer than ``beta_slow`` times is interpolated, and a linear ramp over the pair index
+    joins the two (the bounds rounded outwards when ``truncate``)."""
+    base = theta ** (torch.arange(0, dim, 2, dtype=dtype) / dim)
+
+    def pair_index(rotations: float) -> float:  # the pair whose wavelength fits ``rotations`` turns
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_index(yarn.beta_fast), pair_index(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=dtype) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return 1.0 / (yarn.factor * base) * ramp + 1.0 / base * extrapolated
+
+
+def rope_angles(seq_len: int, dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32,
+                yarn: YarnScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape (seq_len, dim // 2), for positions 0..seq_len-1, in ``dtype``;
+    with YaRN the frequencies are blended and cos/sin carry its ``attention_factor``."""
+    if yarn is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim))
+        factor = 1.0
+    else:
+        inv_freq = yarn_inv_freq(dim, theta, yarn, dtype).to(device)
+        factor = yarn.cos_sin_factor()
+    angles = torch.outer(torch.arange(seq_len, dtype=dtype, device=device), inv_freq)
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+    """Rotate pairs of the last dim in cos/sin's dtype; x is (batch, seq, heads, dim). ``interleave``:
+    the pairs are (x[2i], x[2i+1]) (the released DeepSeek-V3 layout), else (x[i], x[i + dim/2])."""
+    y = x.to(cos.dtype)
+    if interleave:
+        pairs = y.unflatten(-1, (-1, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+    else:
+        x0, x1 = y.chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+    r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    out = torch.stack((r0, r1), dim=-1).flatten(-2) if interleave else torch.cat((r0, r1), dim=-1)
+    return out.type_as(x)
 
 
 class MLA(nn.Module):
@@ -48,6 +98,7 @@ class MLA(nn.Module):
         c = config
         self.n_heads, self.nope, self.rope, self.v_dim = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank, self.theta = c.kv_lora_rank, c.rope_theta
+        self.yarn, self.interleave = c.rope_scaling, c.rope_interleave
         if c.q_lora_rank:
             self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
@@ -58,21 +109,22 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
-        self.softmax_scale = c.qk_head_dim ** -0.5
+        self.softmax_scale = c.softmax_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        cos, sin = rope_angles(seq, self.rope, self.theta, x.device)
-        q_pe = apply_rope(q_pe, cos, sin)
-        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin)  # one rotary key for all heads
+        cdt = compute_dtype(x)
+        cos, sin = rope_angles(seq, self.rope, self.theta, x.device, cdt, self.yarn)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, self.interleave)  # one rotary key for all heads
         k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
         scores = torch.einsum("bshd,bthd->bhst", q, k) * self.softmax_scale
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=torch.float32).type_as(x)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=cdt).type_as(x)
         out = torch.einsum("bhst,bthd->bshd", probs, v)
         return self.wo(out.flatten(2))

@@ -6,9 +6,11 @@ from this model by state-dict key, so a stage's parameter names are a subset of 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,10 +46,14 @@ class Block(nn.Module):
 
 
 class MTPModule(nn.Module):
-    """One multi-token-prediction depth: h'_i = W[RMSNorm(h_i); RMSNorm(Emb(t_{i+k}))] -> one block.
+    """One multi-token-prediction depth: h'_i = W[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)] -> one block.
 
-    The embedding and output head are the main model's (passed in, not owned); only the two
-    norms, the projection, the block and the head's input norm belong to this module.
+    The released convention (the checkpoint's ``eh_proj``, transformers' ``MtpLayer``, vLLM,
+    Megatron): the *embedding* half comes first in the concatenation, and ``h`` is the previous
+    depth's output *after* its final norm (the main model's ``norm(h)`` for depth 1, this module's
+    ``norm`` output for the next depth) — the same tensor the shared output head sees. The embedding
+    and output head are the main model's (passed in, not owned); only the two norms, the projection
+    (``eh_proj``), the block and the head's input norm (``shared_head.norm``) belong to this module.
     """
 
     def __init__(self, depth: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
@@ -59,7 +65,7 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        return self.block(self.proj(torch.cat([self.hnorm(h), self.enorm(emb)], dim=-1)))
+        return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
 
 
 class LossParts(NamedTuple):
@@ -73,18 +79,20 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     """Next-token loss on h plus the MTP losses; ``labels[:, i]`` is token i+1.
 
     Depth k sees positions 0..T-k-1: it combines h^{k-1}_i with Emb(t_{i+k}) = Emb(labels[:, i+k-1])
-    and predicts t_{i+k+1} = labels[:, i+k].
+    and predicts t_{i+k+1} = labels[:, i+k]. h^0 is the main model's normed output ``norm(h)`` and
+    h^k the normed output of depth k (see ``MTPModule``).
     """
     seq = labels.size(1)
     if len(mtp) >= seq:
         raise ValueError(f"sequence length {seq} must exceed the MTP depth {len(mtp)}")
-    logits = head(norm(h))
+    prev = norm(h)
+    logits = head(prev)
     main = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    mtp_losses, prev = [], h
+    mtp_losses = []
     for k, module in enumerate(mtp, start=1):
         n = seq - k
-        prev = module(prev[:, :n], embed(labels[:, k - 1:k - 1 + n]))
-        logits_k = head(module.norm(prev))
+        prev = module.norm(module(prev[:, :n], embed(labels[:, k - 1:k - 1 + n])))
+        logits_k = head(prev)
         mtp_losses.append(F.cross_entropy(logits_k.flatten(0, 1).float(), labels[:, k:k + n].flatten()))
     total = main
     if mtp_losses:
@@ -143,6 +151,51 @@ class DeepSeekV3Model(nn.Module):
     def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
         return language_model_losses(h, labels, embed=self.embed, norm=self.norm, head=self.head, mtp=self.mtp,
                                      config=self.config)
+
+    def mtp_logits(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Logits of each MTP depth k for positions 0..T-k-1, given ``next_tokens[:, i] = t_{i+1}``
+        (inference-style; the training losses use the same chain)."""
+        prev = self.norm(self.hidden(tokens))
+        out = []
+        for k, module in enumerate(self.mtp, start=1):
+            n = tokens.size(1) - k
+            prev = module.norm(module(prev[:, :n], self.embed(next_tokens[:, k - 1:k - 1 + n])))
+            out.append(self.head(prev))
+        return out
+
+    # ----- Hugging Face checkpoints -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
+                        device: torch.device | str = "cpu", ep_group: dist.ProcessGroup | None = None,
+                        fp8: bool = False, **overrides: Any) -> DeepSeekV3Model:
+        """A model from a Hugging Face checkpoint folder (``config.json``, safetensors shards and index):
+        bf16, fp32 or FP8 (``weight_scale_inv``, dequantised to ``dtype``). ``overrides`` replace config
+        fields (e.g. ``mtp_depth=0`` for a transformers-saved checkpoint without the MTP layer). With
+        ``ep_group`` only this rank's experts are read. ``fp8``: the linears become ``FP8Linear`` (as
+        ``convert_to_fp8``) and an FP8 checkpoint's E4M3 weights and scales are used as stored."""
+        from .checkpoint import build_loaded, open_checkpoint
+
+        ckpt = open_checkpoint(path)
+        config = DeepSeekV3Config.from_hf(ckpt.config(), **overrides)
+        return build_loaded(lambda: cls(config, ep_group), ckpt, config, dtype=dtype, device=device, fp8=fp8)
+
+    def save_pretrained(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None, fp8: bool = False,
+                        max_shard_size: int | None = None) -> Path:
+        """Write the Hugging Face layout: ``config.json``, ``model-0000i-of-0000N.safetensors`` shards of at
+        most ``max_shard_size`` bytes (default 2 GiB) and ``model.safetensors.index.json``, with the
+        official tensor names (the MTP module as layer ``n_layers``). ``dtype`` casts (the router stays
+        float32); ``fp8`` stores the projections as E4M3 with 128×128 block ``weight_scale_inv``."""
+        from ..hf_checkpoint import DEFAULT_SHARD_BYTES
+        from .checkpoint import save_weights
+
+        return save_weights(self, self.config, path, dtype=dtype, fp8=fp8,
+                            max_shard_size=max_shard_size or DEFAULT_SHARD_BYTES)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under their checkpoint names (what ``save_pretrained`` writes, before any cast)."""
+        from .checkpoint import hf_state_dict
+
+        return hf_state_dict(self, self.config)
 
     def num_parameters(self, part: str = "main") -> int:
         """``"main"``: everything but the MTP modules; ``"mtp"``: the MTP modules' own parameters."""

@@ -1,6 +1,7 @@
 """DeepSeekMoE: shared + routed experts, sigmoid gating, group-limited top-k, two balancing terms.
 
-Routing (report §2.1.2): affinities s = sigmoid(u·e); a per-expert bias b is added *only to pick*
+Routing (report §2.1.2; other ``topk_method`` / ``scoring_func`` values in ``Gate``): affinities
+s = sigmoid(u·e); a per-expert bias b is added *only to pick*
 experts (groups scored by the sum of their two best biased affinities, the best
 ``n_limited_groups`` kept, top-k inside them); the gate weights are the unbiased affinities of the
 chosen experts, normalised to sum 1 and scaled by ``route_scale``. After each optimizer step
@@ -15,36 +16,42 @@ overlapped forward/backward can interleave them with another micro-batch's piece
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from .config import DeepSeekV3Config
-from .expert_parallel import DispatchPlan, all_to_all, ep_rank, ep_size, plan_dispatch
+from .expert_parallel import DEFAULT_TIMEOUT, DispatchPlan, all_to_all, ep_rank, ep_size, plan_dispatch
+from .mla import compute_dtype
 
-_aux_loss_scale = 1.0
 
-
-def set_aux_loss_scale(scale: float) -> None:
-    """Gradient the balance loss receives per backward: 1.0 when each micro-batch loss is backpropagated
-    as is (the DualPipe convention), 1/M when the runtime divides losses by M micro-batches."""
-    global _aux_loss_scale
-    _aux_loss_scale = float(scale)
+def set_aux_loss_scale(module: nn.Module | Sequence[nn.Module], scale: float) -> int:
+    """Gradient the balance loss receives per backward, for every MoE layer under ``module`` (a model,
+    a stage or a list of stages): 1.0 when each micro-batch loss is backpropagated as is (the DualPipe
+    convention), 1/M when the runtime divides losses by M micro-batches. Returns the layers set."""
+    mods = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    layers = moe_layers(mods)
+    for m in layers:
+        m.aux_loss_scale = float(scale)
+    return len(layers)
 
 
 class AuxLoss(torch.autograd.Function):
-    """Identity on ``x``; in backward also gives ``aux`` the gradient ``_aux_loss_scale``."""
+    """Identity on ``x``; in backward also gives ``aux`` the gradient ``scale``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
+        ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, _aux_loss_scale)
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class MLP(nn.Module):
@@ -61,35 +68,56 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
+    """The router: affinities, expert choice (``config.topk_method``) and gate weights.
+
+    Scores are computed in ``compute_dtype`` (float32, or float64 for a float64 model) from the
+    input and weight cast to it, as transformers does. ``bias`` is the selection-only correction of
+    auxiliary-loss-free balancing (HF name ``e_score_correction_bias``); only ``noaux_tc`` uses it.
+    """
+
     cheap_weight_grad = True  # a (tokens x dim x experts) GEMM, small next to the experts: computed during B
 
     def __init__(self, config: DeepSeekV3Config) -> None:
         super().__init__()
         self.topk, self.n_groups, self.topk_groups = (config.n_activated_experts, config.n_expert_groups,
                                                       config.n_limited_groups)
-        self.route_scale = config.route_scale
+        self.route_scale, self.norm_topk_prob = config.route_scale, config.norm_topk_prob
+        self.scoring_func, self.topk_method = config.scoring_func, config.topk_method
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
         # Selection-only bias (not trained by gradients) and the routed-token count since the last update.
         self.register_buffer("bias", torch.zeros(config.n_routed_experts))
         self.register_buffer("load", torch.zeros(config.n_routed_experts), persistent=False)
 
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert ids (tokens, k): top-k inside the best groups (no gradient flows through the choice)."""
+        if self.topk_method == "greedy":
+            return scores.topk(self.topk, dim=-1).indices
+        choice = scores + self.bias if self.topk_method == "noaux_tc" else scores
+        if self.n_groups > 1:
+            grouped = choice.view(scores.size(0), self.n_groups, -1)
+            if self.topk_method == "noaux_tc":
+                group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_score = grouped.amax(dim=-1)
+            best_groups = group_score.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        return choice.topk(self.topk, dim=-1).indices
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> gate weights (tokens, k), expert ids (tokens, k), affinities (tokens, experts)."""
         counting = self.training and torch.is_grad_enabled()  # training forwards only, not evaluation
-        scores = F.linear(x, self.weight).float().sigmoid()
+        cdt = compute_dtype(x)
+        logits = F.linear(x.to(cdt), self.weight.to(cdt))
+        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         with torch.no_grad():
-            biased = scores + self.bias
-            if self.n_groups > 1:
-                grouped = biased.view(x.size(0), self.n_groups, -1)
-                best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
-                keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-                biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-            indices = biased.topk(self.topk, dim=-1).indices
+            indices = self.select(scores)
             if counting:
                 self.load += torch.bincount(indices.flatten(), minlength=self.load.numel()).to(self.load.dtype)
         weights = scores.gather(1, indices)
-        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
-        return weights, indices, scores
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.route_scale, indices, scores
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, topk: int) -> torch.Tensor:
@@ -124,6 +152,8 @@ class MoE(nn.Module):
             if config.n_shared_experts else None
         self.balance_loss_sum = 0.0  # detached sum of the balance loss values seen since the last reset
         self.balance_loss_count = 0
+        self.aux_loss_scale = 1.0  # gradient of the balance loss per backward (``set_aux_loss_scale``)
+        self.ep_timeout = DEFAULT_TIMEOUT  # seconds an expert all-to-all may wait (``set_timeout``)
 
     # ----- the four pieces -----------------------------------------------------------------------------
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan, torch.Tensor]:
@@ -134,8 +164,8 @@ class MoE(nn.Module):
             bal = sequence_balance_loss(scores, indices, h.size(0), self.topk)
             self.balance_loss_sum += float(bal.detach())
             self.balance_loss_count += 1
-            weights = AuxLoss.apply(weights, self.balance_weight * bal)
-        plan = plan_dispatch(indices, self.n_experts, self.ep_group)
+            weights = AuxLoss.apply(weights, self.balance_weight * bal, self.aux_loss_scale)
+        plan = plan_dispatch(indices, self.n_experts, self.ep_group, self.ep_timeout)
         return weights, indices, plan, flat[plan.token_of]
 
     def run_experts(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -161,9 +191,9 @@ class MoE(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, _, plan, rows = self.route(h)
-        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch")
+        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch", self.ep_timeout)
         rows = self.run_experts(rows, plan)
-        rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group, "combine")
+        rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group, "combine", self.ep_timeout)
         return self.combine(rows, weights, plan, self.shared(h), h.shape)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .expert_parallel import backward_name, ep_size, start_all_to_all
+from .expert_parallel import DEFAULT_TIMEOUT, backward_name, ep_size, start_all_to_all
 
 Steps = Generator[None, None, Any]
 
@@ -38,11 +38,22 @@ def _add_grad(leaf: torch.Tensor, g: torch.Tensor | None) -> None:
     leaf.grad = g if leaf.grad is None else leaf.grad + g
 
 
+class CaptureSlot:
+    """Per-stage switch for the overlapped F&B: while ``sink`` is a list, a backward reaching one of the
+    stage's tapes parks (tape, output grads) there instead of running it, so the caller can run that
+    tape's backward step by step. Instance state of the stage (not of the module), so stages of two
+    pipelines in one process never see each other's capture."""
+
+    def __init__(self) -> None:
+        self.sink: list | None = None
+
+
 class Tape:
     """The pieces of one micro-batch's forward through one stage, kept for the backward."""
 
-    def __init__(self, record: bool = True) -> None:
+    def __init__(self, record: bool = True, slot: CaptureSlot | None = None) -> None:
         self.record = record
+        self.slot = slot
         self.entries: list[Any] = []
         self.finals: list[Any] = []
         self.stage_inputs: list[Any] = []
@@ -68,18 +79,18 @@ class Tape:
         return leaves[0] if single else leaves
 
     def exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any,
-                 what: str = "exchange") -> Callable[[], Any]:
-        """Post an all-to-all of ``x``'s rows; the returned callable waits and gives the received leaf.
-        ``what`` ("dispatch", "combine") names it in a timeout error."""
+                 what: str = "exchange", timeout: float = DEFAULT_TIMEOUT) -> Callable[[], Any]:
+        """Post an all-to-all of ``x``'s rows; the returned callable waits (at most ``timeout`` s) and gives
+        the received leaf. ``what`` ("dispatch", "combine") names it in a timeout error."""
         if ep_size(group) == 1:
             return lambda: x
-        wait = start_all_to_all(x.detach(), out_rows, in_rows, group, what)
+        wait = start_all_to_all(x.detach(), out_rows, in_rows, group, what, timeout)
 
         def done() -> torch.Tensor:
             y = wait()
             if self.record and x.requires_grad:
                 y.requires_grad_()
-                self.records.append(("comm", x, y, out_rows, in_rows, group, what))
+                self.records.append(("comm", x, y, out_rows, in_rows, group, what, timeout))
             return y
 
         return done
@@ -103,9 +114,9 @@ class Tape:
                 if roots:
                     torch.autograd.backward([o for o, _ in roots], [g for _, g in roots])
             else:
-                _, x, y, out_rows, in_rows, group, what = rec
+                _, x, y, out_rows, in_rows, group, what, timeout = rec
                 g = y.grad if y.grad is not None else torch.zeros_like(y)
-                wait = start_all_to_all(g, in_rows, out_rows, group, backward_name(what))
+                wait = start_all_to_all(g, in_rows, out_rows, group, backward_name(what), timeout)
                 yield
                 _add_grad(x, wait())
         input_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in self.entries]
@@ -136,9 +147,6 @@ def interleave(a: Steps, b: Steps) -> tuple[Any, Any]:
     return res[0], res[1]
 
 
-_captured: list | None = None  # set while a last stage's loss is backpropagated only down to its tape
-
-
 class TapeFunction(torch.autograd.Function):
     """Ties a stage's outputs to its tape: backward = the tape's backward, all steps at once."""
 
@@ -151,8 +159,9 @@ class TapeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         tape, ctx.tape = ctx.tape, None
-        if _captured is not None:  # overlapped F&B: stop here, the caller runs the tape step by step
-            _captured.append((tape, grads))
+        slot = tape.slot
+        if slot is not None and slot.sink is not None:  # overlapped F&B: stop here, the caller runs it in steps
+            slot.sink.append((tape, grads))
             return (None, None) + (None,) * ctx.n_inputs
         return (None, None, *drive(tape.backward_steps(grads)))
 
@@ -182,15 +191,16 @@ def _push_input_grads(inputs: Sequence[Any], grads: Sequence[torch.Tensor | None
 
 
 def backward_side(loss1: torch.Tensor | None, outputs1: Sequence[torch.Tensor],
-                  output_grads1: Sequence[torch.Tensor]) -> Steps | None:
-    """The backward of micro-batch 1 as steps, or None when it is not a tape (then run it plainly)."""
-    global _captured
+                  output_grads1: Sequence[torch.Tensor], slot: CaptureSlot | None = None) -> Steps | None:
+    """The backward of micro-batch 1 as steps, or None when it is not a tape (then run it plainly).
+    ``slot``: the capture slot of the stage that produced ``loss1`` (needed when ``loss1`` is given)."""
     if loss1 is not None:
-        _captured = []
+        slot = slot if slot is not None else CaptureSlot()
+        slot.sink = []
         try:
             loss1.backward()  # the criterion part (head, loss, MTP); stops at the stage's tape
         finally:
-            got, _captured = _captured, None
+            got, slot.sink = slot.sink, None
         loss1.detach_()
         if not got:  # no tape under this loss: its backward is already complete
             return iter(())

@@ -26,10 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
+from .balance import balanced_layout
 from .config import DeepSeekV3Config
+from .hf_names import is_fp8_weight, is_fp32_weight
 from .mla import RMSNorm
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, deferred_init, init_weights, language_model_losses
-from .overlap import Steps, Tape, backward_side, drive, interleave, seal
+from .overlap import CaptureSlot, Steps, Tape, backward_side, drive, interleave, seal
 
 
 def parse_layout(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None) -> list[int]:
@@ -92,6 +94,7 @@ class DeepSeekV3Stage(nn.Module):
         self.config, self.index, self.num_stages = config, index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.loss_log: list[tuple[float, list[float]]] = []  # (main, [mtp_k]) of each criterion call
+        self.capture = CaptureSlot()  # the overlapped F&B parks this stage's tape backward here
         with deferred_init():
             if self.is_first or (self.is_last and config.mtp_depth):
                 self.embed = nn.Embedding(config.vocab_size, config.dim)
@@ -106,6 +109,15 @@ class DeepSeekV3Stage(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors under their Hugging Face checkpoint names (``save_pipeline_checkpoint``)."""
+        from .checkpoint import hf_state_dict
+
+        return hf_state_dict(self, self.config)
+
+    fp8_checkpoint_names = staticmethod(is_fp8_weight)
+    fp32_checkpoint_names = staticmethod(is_fp32_weight)
 
     @torch.no_grad()
     def load_from(self, model: nn.Module) -> DeepSeekV3Stage:
@@ -127,6 +139,7 @@ class DeepSeekV3Stage(nn.Module):
         if len(inputs) != 1:
             raise ValueError(f"{self.extra_repr()}: expected 1 input (token ids on the first stage, hidden states "
                              f"after), got {len(inputs)}")
+        tape.slot = self.capture
         entries = tape.enter(inputs)
         if other is None:
             finals = drive(self._steps(tape, entries[0]))
@@ -164,7 +177,7 @@ class DeepSeekV3Stage(nn.Module):
         """F of micro-batch 0 on ``module0`` interleaved piece by piece with the backward of micro-batch 1
         on ``module1`` (from ``loss1`` on a last stage, else from ``outputs1``/``output_grads1``).
         Bit-identical to the forward followed by the backward."""
-        back = backward_side(loss1, outputs1, output_grads1)
+        back = backward_side(loss1, outputs1, output_grads1, module1.capture)
         if back is None:  # outputs not produced by a stage tape: nothing to interleave
             from ...runtime.backward import run_backward
 
@@ -187,10 +200,10 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
         return x1, h, weights, rows, plan
 
     x1, h, weights, rows, plan = tape.run(attention_and_route, x)
-    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch")
+    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch", moe.ep_timeout)
     yield
     rows, shared = tape.run(lambda r, h: (moe.run_experts(r, plan), moe.shared(h)), wait(), h)
-    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group, "combine")
+    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group, "combine", moe.ep_timeout)
     yield
     return tape.run(lambda r, w, s, x1: x1 + moe.combine(r, w, plan, s, x1.shape), wait(), weights, shared, x1)
 
@@ -198,17 +211,34 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
 # ----- building and placing stages -------------------------------------------------------------------
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
                  source: DeepSeekV3Model | None = None, indices: Sequence[int] | None = None,
-                 ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True
-                 ) -> list[DeepSeekV3Stage]:
+                 ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True,
+                 checkpoint: Any = None, fp8: bool = False) -> list[DeepSeekV3Stage]:
     """The stage modules (all, or only ``indices``), weights copied from ``source`` when given.
 
-    ``defer_weight_grads``: build the linears as ``DeferredLinear`` (the zero-bubble B/W split)."""
+    ``defer_weight_grads``: build the linears as ``DeferredLinear`` (the zero-bubble B/W split).
+    ``checkpoint`` (a Hugging Face checkpoint folder or ``hf_checkpoint.Checkpoint``): each stage is
+    built on the meta device and reads only its own tensors (with ``ep_group``: only its experts);
+    ``fp8`` converts the linears to ``FP8Linear`` (``convert_to_fp8``; before a checkpoint is read, so
+    its FP8 weights and block scales are kept as stored)."""
     ids = stage_layer_ids(config, num_stages, layout)
     wanted = range(num_stages) if indices is None else indices
+    if checkpoint is not None:
+        if source is not None:
+            raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
+        from .checkpoint import build_loaded, open_checkpoint
+
+        ckpt = open_checkpoint(checkpoint)
+        return [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
+                             ckpt, config, fp8=fp8) for i in wanted]
     stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads) for i in wanted]
     if source is not None:
         for st in stages:
             st.load_from(source)
+    if fp8:
+        from ..fp8 import convert_to_fp8
+
+        for st in stages:
+            convert_to_fp8(st)
     return stages
 
 
@@ -232,13 +262,17 @@ def _check_rank(rank: int, num_ranks: int) -> None:
 def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: Sequence[int] | str | None = None,
                     *, source: DeepSeekV3Model | None = None,
                     ep_group: dist.ProcessGroup | None = None,
-                    defer_weight_grads: bool = True) -> list[DeepSeekV3Stage]:
+                    defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False
+                    ) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
-    runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s."""
+    runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
+    ``layout`` None: ``balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)."""
     num_stages = schedule.num_stages(0)
+    if layout is None:
+        layout = balanced_layout(config, schedule.placement)
     wanted = [s for _, s in schedule.local_stages(rank)]
     return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
-                        defer_weight_grads=defer_weight_grads)
+                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8)
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage]):

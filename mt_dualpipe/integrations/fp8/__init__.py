@@ -3,6 +3,9 @@
 ``FP8Linear`` is a drop-in ``nn.Linear``; ``convert_to_fp8(model)`` swaps a model's linears while
 keeping the embedding, output head, MoE gate, norms and attention core in high precision;
 ``backend_summary(device)`` says which GEMM runs (block-scaled ``scaled_mm`` or the emulation).
+An FP8 checkpoint's E4M3 weight and 128×128 ``weight_scale_inv`` (the released DeepSeek-V3 format, the
+same layout as ``quantize_blocks``) go straight in with ``FP8Linear.load_quantized`` (no re-quantisation);
+the model loaders (``from_pretrained(..., fp8=True)``, ``build_stages(..., checkpoint=, fp8=True)``) do so.
 """
 
 from .backends import BACKENDS, backend_summary, emulated_gemm, probe_scaled_mm, resolve_gemm

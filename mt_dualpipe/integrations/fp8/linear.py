@@ -22,7 +22,7 @@ from torch import nn
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 
 from .backends import BACKENDS, Gemm, resolve_gemm
-from .quantize import QTensor, dequantize, quantize_blocks, quantize_tiles
+from .quantize import E4M3, QTensor, dequantize, quantize_blocks, quantize_tiles
 
 
 def _deferrable(param: torch.Tensor | None, wanted: bool) -> bool:
@@ -122,6 +122,21 @@ class FP8Linear(nn.Linear):
                 self._wq = quantize_blocks(w.detach())
             self._wq_key = key
         return self._wq
+
+    @torch.no_grad()
+    def load_quantized(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Take an E4M3 weight with one float32 scale per 128×128 block (an FP8 checkpoint's ``weight`` and
+        ``weight_scale_inv``) as this layer's quantised weight, without re-quantising: the master weight
+        becomes its dequantisation (in the weight's dtype) and the GEMMs use exactly ``data``/``scale``."""
+        if tuple(data.shape) != tuple(self.weight.shape):
+            raise ValueError(f"FP8 weight of shape {tuple(data.shape)} does not fit this layer's "
+                             f"{tuple(self.weight.shape)}")
+        if data.dtype != E4M3:
+            raise ValueError(f"load_quantized expects float8_e4m3fn data, got {data.dtype}")
+        q = QTensor(data.to(self.weight.device).contiguous(), scale.to(self.weight.device, torch.float32), "block")
+        self.weight.copy_(dequantize(q).to(self.weight.dtype))
+        w = self.weight
+        self._wq, self._wq_key = q, (id(w), w._version, w.device, w.dtype)
 
     @property
     def active_backend(self) -> str:

@@ -278,7 +278,7 @@ def test_benchmark_reports_device_and_backend(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gemm.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"
     spec = importlib.util.spec_from_file_location("fp8_gemm_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

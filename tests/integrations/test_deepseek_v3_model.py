@@ -14,13 +14,15 @@ from mt_dualpipe.integrations.deepseek_v3 import (
     DeepSeekV3Stage,
     build_stages,
     dualpipe_stage_ids,
+    expert_parallel,
     parse_layout,
+    set_aux_loss_scale,
     sync_replicas,
     update_expert_bias,
     v_stage_ids,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch
-from mt_dualpipe.integrations.deepseek_v3.moe import Gate, sequence_balance_loss
+from mt_dualpipe.integrations.deepseek_v3.moe import Gate, moe_layers, sequence_balance_loss
 
 torch.set_num_threads(1)
 
@@ -270,3 +272,52 @@ def test_loss_falls_over_30_steps_of_the_synthetic_task():
         update_expert_bias(model)
         losses.append(float(parts.main.detach()))
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses  # chance level stays at ln(128)
+
+
+# ----- routing variants (HF topk_method / scoring_func / norm_topk_prob) -------------------------------------
+def test_routing_variants_select_as_their_definitions_say():
+    config = small_config(n_routed_experts=8, n_expert_groups=4, n_limited_groups=1, n_activated_experts=2)
+    torch.manual_seed(3)
+    x = torch.randn(64, config.dim)
+    greedy = Gate(config.replace(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False))
+    torch.nn.init.normal_(greedy.weight, 0, 0.5)
+    w, idx, scores = greedy(x)
+    torch.testing.assert_close(scores, (x @ greedy.weight.T).softmax(-1))
+    assert torch.equal(idx.sort(-1).values, scores.topk(2, -1).indices.sort(-1).values)
+    torch.testing.assert_close(w, scores.gather(1, idx) * config.route_scale)  # not normalised
+    limited = Gate(config.replace(topk_method="group_limited_greedy"))
+    limited.weight.data.copy_(greedy.weight)
+    limited.bias.fill_(5.0)  # ignored: only noaux_tc routes with the correction bias
+    _, idx, scores = limited(x)
+    best_group = scores.view(64, 4, 2).amax(-1).argmax(-1)  # the group with the best single affinity
+    assert torch.equal(idx // 2, best_group[:, None].expand(-1, 2))
+
+
+# ----- instance state (no module-level switches) ----------------------------------------------------------
+def test_aux_loss_scale_and_ep_timeout_are_per_model():
+    config = small_config(balance_loss_weight=0.5, mtp_depth=0)
+    torch.manual_seed(0)
+    a, b = DeepSeekV3Model(config), DeepSeekV3Model(config)
+    assert set_aux_loss_scale(a, 0.0) == len(moe_layers(a)) == 2
+    assert all(m.aux_loss_scale == 1.0 for m in moe_layers(b))
+    b.load_state_dict(a.state_dict())
+    x, y = make_batch(config)
+    grads = []
+    for scale in (0.0, 0.5, 1.0):
+        set_aux_loss_scale(a, scale)
+        a.zero_grad()
+        a(x, y).backward()
+        grads.append(a.layers["1"].ffn.gate.weight.grad.clone())
+    torch.testing.assert_close(grads[2] - grads[0], 2 * (grads[1] - grads[0]))  # linear in the scale
+    assert not torch.allclose(grads[2], grads[0])
+    assert expert_parallel.set_timeout(build_stages(config, 2, source=a), 7.5) == 2
+    assert expert_parallel.set_timeout(a, 3) == 2 and {m.ep_timeout for m in moe_layers(a)} == {3.0}
+    assert {m.ep_timeout for m in moe_layers(b)} == {expert_parallel.DEFAULT_TIMEOUT}
+    with pytest.raises(ValueError, match="the expert all-to-all timeout must be positive, got 0.0"):
+        expert_parallel.set_timeout(a, 0)
+
+
+def test_each_stage_has_its_own_capture_slot():
+    config = small_config()
+    first, last = build_stages(config, 2)
+    assert first.capture is not last.capture and first.capture.sink is None

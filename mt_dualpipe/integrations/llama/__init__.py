@@ -1,0 +1,23 @@
+"""Dense Llama 3 family for mt_dualpipe: model, pipeline stages for any placement, HF checkpoints, FP8.
+
+    config = LlamaConfig.preset("tiny")                      # or "8b", or LlamaConfig.from_hf(path)
+    model = LlamaForCausalLM(config)                         # single-process reference
+    mods = stages_for_rank(config, schedule, rank, source=model)   # or checkpoint=path (per-stage read)
+    loss = pipe.step(tokens, criterion=criterion_for(mods), labels=(labels,), ...)
+    sync_replicas(mods, group)                               # tied embeddings / mirrored stages
+    save_pipeline_checkpoint(mods, path)                     # every rank; one HF checkpoint
+
+FP8: ``build_stages(..., fp8=True)`` or ``convert_to_fp8(model)``.
+"""
+
+from ..deepseek_v3.stages import sync_replicas
+from ..hf_checkpoint import save_pipeline_checkpoint
+from .config import Llama3RopeScaling, LlamaConfig
+from .model import LlamaForCausalLM, LlamaModel, llama3_inv_freq
+from .stages import LlamaStage, build_stages, criterion_for, stage_layer_ids, stages_for_rank
+
+__all__ = [
+    "Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "LlamaModel", "LlamaStage", "build_stages",
+    "criterion_for", "llama3_inv_freq", "save_pipeline_checkpoint", "stage_layer_ids", "stages_for_rank",
+    "sync_replicas",
+]

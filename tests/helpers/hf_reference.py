@@ -1,0 +1,57 @@
+"""transformers as a float64 reference for the model integrations (a test extra, never a runtime need).
+
+transformers pins RMSNorm, RoPE, the attention softmax and the MoE router to float32 whatever the
+model dtype (``hidden_states.to(torch.float32)``, ``dtype=torch.float``, ...), so a float64
+transformers model agrees with a float64 one only to ~1e-7. ``float64_transformers`` lifts that pin
+for the duration of a test by giving the named transformers modules a ``torch`` whose ``float32`` and
+``float`` are ``float64``; both sides then compute in float64 and must agree to ~1e-15.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+MODULES = ("transformers.modeling_rope_utils", "transformers.models.deepseek_v3.modeling_deepseek_v3",
+           "transformers.models.llama.modeling_llama")
+
+
+class _Float64Torch:
+    """``torch`` with ``float32`` / ``float`` meaning ``float64``."""
+
+    def __getattr__(self, name: str):
+        if name in ("float32", "float"):
+            return torch.float64
+        return getattr(torch, name)
+
+
+@contextmanager
+def float64_transformers() -> Iterator[None]:
+    mods = [importlib.import_module(m) for m in MODULES]
+    saved = [m.torch for m in mods]
+    try:
+        for m in mods:
+            m.torch = _Float64Torch()
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.torch = t
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Every parameter and float buffer random (norm weights around 1), so a wrong mapping shows."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point() or "inv_freq" in name:
+            continue
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) * std
+        t.copy_(noise + 1 if "norm" in name else noise)

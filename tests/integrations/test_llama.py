@@ -1,0 +1,165 @@
+"""Llama 3 family: sizes, transformers equality in float64, checkpoints, stages for any placement, FP8."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
+from mt_dualpipe.integrations.fp8 import FP8Linear, dequantize, quantize_blocks
+from mt_dualpipe.integrations.llama import (
+    Llama3RopeScaling,
+    LlamaConfig,
+    LlamaForCausalLM,
+    build_stages,
+    save_pipeline_checkpoint,
+    stages_for_rank,
+    sync_replicas,
+)
+from mt_dualpipe.schedules import placements
+from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def hf_config(tie: bool = False, scaled: bool = True):
+    rope = dict(LLAMA3) if scaled else {"rope_type": "default", "rope_theta": 10000.0}
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+                                    max_position_embeddings=256, tie_word_embeddings=tie, attn_implementation="eager")
+
+
+def tokens(seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(seed))
+
+
+def test_8b_preset_has_8_03_billion_parameters_on_meta():
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.preset("8b"))
+    assert model.num_parameters() == 8_030_261_248
+    layer = model.model.layers["0"]
+    assert layer.self_attn.k_proj.weight.shape == (1024, 4096) and layer.mlp.up_proj.weight.shape == (14336, 4096)
+    assert LlamaConfig.preset("8b").rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
+
+
+def test_config_round_trip_and_errors():
+    ours = LlamaConfig.from_hf(hf_config().to_dict())
+    assert ours.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 16) and ours.num_key_value_heads == 2
+    assert LlamaConfig.from_hf(transformers.LlamaConfig(**ours.to_hf()).to_dict()) == ours
+    with pytest.raises(ValueError, match="config field mlp_bias=True is not supported"):
+        LlamaConfig.from_hf({**ours.to_hf(), "mlp_bias": True})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported for Llama"):
+        LlamaConfig.from_hf({**ours.to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match=r"must be a multiple of num_key_value_heads \(3\)"):
+        LlamaConfig.preset("tiny", num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("tie, scaled", [(False, True), (True, False)])
+def test_transformers_checkpoint_gives_the_same_logits_and_back(tmp_path, tie, scaled):
+    with float64_transformers():
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(hf_config(tie, scaled)).double().eval()
+        randomize(hf, 1)
+        hf.save_pretrained(tmp_path / "hf", max_shard_size="30KB")
+        with torch.no_grad():
+            ref = hf(tokens()).logits
+    ours = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    assert ("lm_head.weight" in dict(ours.named_parameters())) is not tie
+    with torch.no_grad():
+        assert relative_error(ours(tokens()), ref) < 1e-12
+    # ours -> transformers: same logits; ours -> HF layout -> ours: bit-equal
+    ours.save_pretrained(tmp_path / "ours", max_shard_size=30_000)
+    with float64_transformers():
+        again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64,
+                                                              attn_implementation="eager").eval()
+        with torch.no_grad():
+            assert relative_error(again(tokens()).logits, ref) < 1e-12
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+@pytest.fixture
+def saved(tmp_path):
+    config = LlamaConfig.preset("tiny", num_hidden_layers=4, vocab_size=128, hidden_size=64, intermediate_size=96)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size=60_000)
+    return config, model, tmp_path
+
+
+@pytest.mark.parametrize("placement", ["linear", "v", "interleaved", "dual"])
+def test_stages_for_any_placement_read_only_their_tensors_and_match_the_model(saved, monkeypatch, placement):
+    config, model, path = saved
+    place = placements.make_placement(placement, 2, 4)
+    read: list[str] = []
+    real = hf_checkpoint.Checkpoint.read
+
+    def recording(self, names):
+        for name, t in real(self, names):
+            read.append(name)
+            yield name, t
+
+    monkeypatch.setattr(hf_checkpoint.Checkpoint, "read", recording)
+    by_rank = [stages_for_rank(config, place, r, checkpoint=path) for r in range(2)]
+    every = [st for mods in by_rank for st in mods]  # DualPipe's dual placement: each stage twice (mirrored)
+    assert sorted(read) == sorted(k for st in every for k in st.state_dict())
+    stages = sorted({st.index: st for st in every}.values(), key=lambda st: st.index)
+    assert [st.index for st in stages] == list(range(place.num_stages))
+    x = tokens()[:, :-1] % config.vocab_size
+    y = tokens()[:, 1:] % config.vocab_size
+    h = x
+    for st in stages[:-1]:
+        h = st(h)
+    assert torch.equal(stages[-1].criterion(stages[-1](h), y), model(x, y))
+
+
+def test_tied_embedding_gradients_sum_across_first_and_last_stage():
+    config = LlamaConfig.preset("tiny", num_hidden_layers=2, vocab_size=64, hidden_size=32, intermediate_size=48,
+                                tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double()
+    x, y = tokens()[:, :-1] % 64, tokens()[:, 1:] % 64
+    model(x, y).backward()
+    first, last = (st.double() for st in build_stages(config, 2, source=model))
+    h = first(x)
+    h_in = h.detach().requires_grad_()
+    last.criterion(last(h_in), y).backward()
+    h.backward(h_in.grad)
+    sync_replicas([first, last])
+    want = model.model.embed_tokens.weight.grad
+    for st in (first, last):
+        torch.testing.assert_close(st.model.embed_tokens.weight.grad, want, rtol=1e-12, atol=1e-14)
+
+
+def test_pipeline_save_round_trips(saved, tmp_path):
+    config, model, _ = saved
+    stages = build_stages(config, 3, source=model)
+    out = save_pipeline_checkpoint(stages, tmp_path / "pipe")
+    assert json.loads((out / "config.json").read_text()) == {**config.to_hf(), "torch_dtype": "float32"}
+    back = LlamaForCausalLM.from_pretrained(out)
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_fp8_checkpoint_and_conversion(saved, tmp_path):
+    config, model, _ = saved
+    model.save_pretrained(tmp_path / "fp8", fp8=True)
+    plain = LlamaForCausalLM.from_pretrained(tmp_path / "fp8")
+    w = model.model.layers["2"].mlp.down_proj.weight.detach()
+    assert torch.equal(plain.model.layers["2"].mlp.down_proj.weight, dequantize(quantize_blocks(w)))
+    assert torch.equal(plain.lm_head.weight, model.lm_head.weight)  # the head is not stored in FP8
+    stages = build_stages(config, 2, checkpoint=tmp_path / "fp8", fp8=True)
+    layer = stages[1].model.layers["2"].mlp.down_proj
+    assert isinstance(layer, FP8Linear)
+    assert torch.equal(layer.quantized_weight().data.view(torch.uint8), quantize_blocks(w).data.view(torch.uint8))
+    x, y = tokens()[:, :-1] % config.vocab_size, tokens()[:, 1:] % config.vocab_size
+    with torch.no_grad():
+        fp8_loss, ref = float(stages[1].criterion(stages[1](stages[0](x)), y)), float(model(x, y))
+    assert fp8_loss != ref and abs(fp8_loss - ref) < 0.01 * ref  # FP8 GEMMs: close, not equal
