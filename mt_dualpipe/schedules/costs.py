@@ -8,7 +8,9 @@ exposed expert-parallel all-to-all of a lone F / B (or BW); inside an FB unit th
 ``comm`` is the point-to-point latency of one hop between different ranks (indexed by the
 sending stage when a list). ``dp_sync`` is the time of one stage's data-parallel gradient
 reduction (a ``REDUCE_GRAD`` op): it runs on the communication stream, so only the part that
-outlasts the rank's remaining compute is exposed.
+outlasts the rank's remaining compute is exposed. ``recompute`` is the forward work a stage
+recomputes in its backward (activation recomputation): it is added to every B and BW of the
+stage, once — W reuses what B recomputed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Union
 from . import ops as K
 from .errors import ScheduleError
 
-COST_FIELDS = ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b", "dp_sync")
+COST_FIELDS = ("f", "b", "w", "fb", "comm", "a2a_f", "a2a_b", "dp_sync", "recompute")
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
@@ -35,6 +37,7 @@ class Costs:
     a2a_f: PerStage = 0.0
     a2a_b: PerStage = 0.0
     dp_sync: PerStage = 0.0
+    recompute: PerStage = 0.0
 
     @classmethod
     def uniform(cls, f: float = 1.0, b: float = 1.0, w: float = 1.0, **kw: PerStage) -> Costs:
@@ -86,7 +89,7 @@ class Costs:
         return StageCosts(
             f=f, b=b, w=w, fb=expand("fb", self.fb), comm=expand("comm", self.comm),
             a2a_f=expand("a2a_f", self.a2a_f), a2a_b=expand("a2a_b", self.a2a_b),
-            dp_sync=expand("dp_sync", self.dp_sync),
+            dp_sync=expand("dp_sync", self.dp_sync), recompute=expand("recompute", self.recompute),
         )
 
     def describe(self) -> str:
@@ -100,7 +103,7 @@ class Costs:
         text = f"F={fmt(self.f)} B={fmt(self.b)} W={fmt(self.w)}"
         if self.fb is not None:
             text += f" FB={fmt(self.fb)}"
-        for name in ("comm", "a2a_f", "a2a_b", "dp_sync"):
+        for name in ("comm", "a2a_f", "a2a_b", "dp_sync", "recompute"):
             value = getattr(self, name)
             if value != 0.0:
                 text += f" {name}={fmt(value)}"
@@ -119,13 +122,15 @@ class StageCosts:
     a2a_f: list[float]
     a2a_b: list[float]
     dp_sync: list[float]
+    recompute: list[float]
 
     def fb_cost(self, f_stage: int, b_kind: str, b_stage: int) -> float:
         """Cost of an overlapped F&B unit: all-to-all hidden, ``fb`` if given.
 
         A lone op's cost is its kind's rule in ``ops.RULES`` (``ops.op_cost``)."""
+        rc = self.recompute[b_stage]
         if self.fb is not None:
             full = self.fb[f_stage]
-            return full if b_kind == K.BW else max(0.0, full - self.w[b_stage])
+            return rc + (full if b_kind == K.BW else max(0.0, full - self.w[b_stage]))
         back = self.b[b_stage] + (self.w[b_stage] if b_kind == K.BW else 0.0)
-        return self.f[f_stage] + back
+        return self.f[f_stage] + back + rc

@@ -129,9 +129,11 @@ class KindRule:
 
 RULES: dict[str, KindRule] = {
     F: KindRule(F, ((ACT, -1),), ACT, 1, 0, lambda c, s: c.f[s] + c.a2a_f[s], sends_to=+1),
-    B: KindRule(B, ((ACT, 0), (GRAD, +1)), GRAD, 0, 0, lambda c, s: c.b[s] + c.a2a_b[s], sends_to=-1),
+    B: KindRule(B, ((ACT, 0), (GRAD, +1)), GRAD, 0, 0, lambda c, s: c.b[s] + c.a2a_b[s] + c.recompute[s],
+                sends_to=-1),
     W: KindRule(W, ((GRAD, 0),), None, 0, 1, lambda c, s: c.w[s]),
-    BW: KindRule(BW, ((ACT, 0), (GRAD, +1)), GRAD, 0, 1, lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s], sends_to=-1),
+    BW: KindRule(BW, ((ACT, 0), (GRAD, +1)), GRAD, 0, 1,
+                 lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s] + c.recompute[s], sends_to=-1),
     # one per (chain, stage) and step, placed after the stage's last W/BW on its rank (program
     # order is its only local input); see passes.add_grad_reduction
     REDUCE_GRAD: KindRule(REDUCE_GRAD, (), None, 0, 0, lambda c, s: c.dp_sync[s], stream="collective"),

@@ -84,6 +84,17 @@ def test_costs_and_activation_effects() -> None:
     assert activation_effect(FB(Op(K.F, 0, 0, 1), Op(K.BW, 0, 1, 0))) == (1, 1)
 
 
+def test_recompute_is_paid_once_in_the_backward() -> None:
+    sc = CostsCls(f=2, b=3, w=4, recompute=[0.5, 1.5]).per_stage(2)
+    assert op_cost(Op(K.F, 0, 1, 0), sc) == 2
+    assert op_cost(Op(K.B, 0, 1, 0), sc) == 3 + 1.5
+    assert op_cost(Op(K.W, 0, 1, 0), sc) == 4  # W reuses what B recomputed
+    assert op_cost(Op(K.BW, 0, 0, 0), sc) == 3 + 4 + 0.5
+    assert op_cost(FB(Op(K.F, 0, 0, 1), Op(K.B, 0, 1, 0)), sc) == 2 + 3 + 1.5
+    base = simulate(build_schedule("1f1b", 2, 4), Costs(2, 3, 4)).makespan
+    assert simulate(build_schedule("1f1b", 2, 4), Costs(2, 3, 4, recompute=1)).makespan > base
+
+
 def test_comm_shapes_follow_where_signals_travel() -> None:
     assert SEND_RECV[ACT] == (K.SEND_F, K.RECV_F) and SEND_RECV[GRAD] == (K.SEND_B, K.RECV_B)
     # (producing-stage offset, peer-stage offset, key bit, is a send)
