@@ -1,0 +1,158 @@
+"""FSDP2 (``fully_shard``) stage modules inside a split-backward pipeline.
+
+FSDP2 reshards a module's parameters and reduce-scatters its gradients in a post-backward hook
+that fires when autograd reaches the module's *inputs* — i.e. at the end of B. With a split
+backward W runs later and needs the unsharded parameters (its gradients accumulate into them),
+so under FSDP's defaults W crashes on freed storage ("data is not allocated yet"), and a
+reduce-scatter at B's end would miss W's contributions anyway. ``FSDPStageSync`` keeps a stage
+unsharded for the whole step and moves the reduction to the stage's REDUCE op:
+
+* ``begin_step()`` (before the stage's first F of the step): public FSDP2 switches
+  ``set_reshard_after_forward(False)``, ``set_reshard_after_backward(False)``,
+  ``set_requires_gradient_sync(False)``, ``set_is_last_backward(False)``, then ``unshard()`` on
+  every FSDP module of the stage. FSDP's own hooks now only accumulate into the unsharded
+  parameters' ``.grad`` (B's and W's contributions alike).
+* ``start()`` (after the stage's last W/BW of the step): take the accumulated unsharded
+  gradients, ``reshard()`` every FSDP module, and post bucketed asynchronous reduce-scatters
+  with FSDP2's own dim-0 chunking (``layout.py``) over each parameter's mesh.
+* ``wait()``: complete them and write ``grad / divide_by`` into the sharded ``DTensor`` parameters'
+  ``.grad`` (accumulating like FSDP does), so any optimizer built on the sharded parameters steps.
+
+FSDP2 has no public call that runs its post-backward reduction outside autograd
+(``torch.distributed.pipelining`` reaches into private per-group state for that), so the
+reduce-scatter here is done with public collectives on the DTensor placement FSDP exposes.
+Limits (checked where visible): a 1-D shard mesh with ``Shard(0)`` placements (no HSDP, no
+``shard_placement_fn``), and no ``MixedPrecisionPolicy(reduce_dtype=...)`` different from the
+parameter dtype (FSDP would move the gradient into a private buffer this helper cannot see).
+Mirrored DualPipe copies may be sharded over one mesh spanning both copies x dp; pass
+``divide_by=dp`` so the copies are summed and only the replicas averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from .grad_sync import DEFAULT_BUCKET_BYTES
+from .layout import ShardLayout
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    """Every ``fully_shard``-ed module in ``module``'s tree (itself included), in ``modules()`` order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class FSDPStageSync:
+    """Unshard-for-the-step / reduce-after-last-W driver of one ``fully_shard``-wrapped stage module."""
+
+    def __init__(self, module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None):
+        if not isinstance(module, FSDPModule):
+            raise TypeError(f"FSDPStageSync needs a module wrapped with fully_shard, got {type(module).__name__}")
+        self.module = module
+        self.fsdp = fsdp_modules(module)
+        sharded = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not sharded:
+            raise ValueError("FSDPStageSync needs at least one parameter that requires grad")
+        meshes = {id(p.device_mesh): p.device_mesh for _, p in sharded if isinstance(p, DTensor)}
+        plain = [n for n, p in sharded if not isinstance(p, DTensor)]
+        if plain or len(meshes) != 1:
+            raise ValueError(f"every parameter must be an FSDP2-sharded DTensor on one mesh; plain: {plain}, "
+                             f"meshes: {len(meshes)}")
+        self.mesh = next(iter(meshes.values()))
+        wrong = [n for n, p in sharded if tuple(p.placements) != (Shard(0),)]
+        if self.mesh.ndim != 1 or wrong:
+            raise ValueError(f"only a 1-D mesh with Shard(0) placements is supported (no HSDP / shard_placement_fn); "
+                             f"mesh ndim {self.mesh.ndim}, other placements: {wrong}")
+        self.names = [n for n, _ in sharded]
+        self.group = self.mesh.get_group()
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.divide_by = self.world if divide_by is None else divide_by
+        if self.divide_by < 1:
+            raise ValueError(f"divide_by={self.divide_by} must be >= 1")
+        self.bucket_bytes = bucket_bytes
+        self._pending: tuple[ShardLayout, list[torch.Tensor], list[dist.Work]] | None = None
+        self.collectives_posted = 0
+
+    def begin_step(self) -> None:
+        """Before the stage's first F of the step: keep everything unsharded until ``start()``."""
+        if self._pending is not None:
+            raise RuntimeError("begin_step() while a gradient reduction is pending: call wait() first")
+        root = self.module
+        root.set_reshard_after_forward(False)
+        root.set_reshard_after_backward(False)
+        root.set_requires_gradient_sync(False)
+        root.set_is_last_backward(False)
+        handles = [m.unshard(async_op=True) for m in self.fsdp]
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    def _unsharded_grads(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        got = dict(self.module.named_parameters())
+        out = []
+        for n in self.names:
+            p = got[n]
+            if isinstance(p, DTensor):
+                raise RuntimeError(f"parameter {n!r} is sharded at the stage's REDUCE op: begin_step() must run "
+                                   "before the stage's first F of the step")
+            out.append((n, p, p.grad))
+            p.grad = None
+        return out
+
+    def start(self) -> None:
+        """After the stage's last W: reshard and post the reduce-scatters of the accumulated gradients."""
+        if self._pending is not None:
+            raise RuntimeError("start() called twice without wait(): one reduction per step")
+        unsharded = self._unsharded_grads()
+        layout = ShardLayout([p for _, p, _ in unsharded], self.world, self.bucket_bytes)
+        fulls, shards, works = [], [], []
+        for b, bucket in enumerate(layout.buckets):
+            full = layout.new_full(b, unsharded[0][1].device)
+            layout.pack(b, [unsharded[s.index][2] for s in bucket.slots], full)
+            fulls.append(full)
+            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=full.device)
+            works.append(_reduce_scatter(shard, full, group=self.group, async_op=True))
+            shards.append(shard)
+            self.collectives_posted += 1
+        for m in self.fsdp:
+            m.reshard()
+        self._pending = (layout, shards, works)
+        self._fulls = fulls  # keep the inputs alive until the collectives are done
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Complete the reduce-scatters; the sharded parameters' ``.grad`` hold the averaged gradient."""
+        if self._pending is None:
+            raise RuntimeError("wait() without a pending start()")
+        layout, shards, works = self._pending
+        for w in works:
+            w.wait()
+        self._pending, self._fulls = None, []
+        params = dict(self.module.named_parameters())
+        for b, bucket in enumerate(layout.buckets):
+            shards[b].div_(self.divide_by)
+            for s, local in zip(bucket.slots, layout.shard_views(b, shards[b], self.rank)):
+                p = params[self.names[s.index]]
+                if p.to_local().shape != local.shape:
+                    raise RuntimeError(f"parameter {self.names[s.index]!r}: FSDP's local shard is "
+                                       f"{tuple(p.to_local().shape)} but dim-0 chunking gives {tuple(local.shape)}")
+                grad = DTensor.from_local(local.to(p.dtype, copy=True), self.mesh, [Shard(0)], run_check=False,
+                                          shape=p.shape, stride=p.stride())
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+
+    def end_step(self) -> None:
+        """Give FSDP its defaults back (reshard after forward/backward, gradient sync on), e.g. for eval."""
+        root = self.module
+        root.set_reshard_after_forward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        root.set_is_last_backward(True)
