@@ -23,8 +23,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help="rank pipeline / expert / data parallel layouts for a model on a modelled cluster",
         description="Enumerate pipeline size, schedule, micro-batches and expert/data-parallel splits; estimate "
-                    "step time (compute/communication model + the schedule simulator) and peak memory per GPU; "
-                    "print the best. The cluster is a model: nothing is launched.")
+                    "step time (compute/communication model + the schedule simulator, with each stage's "
+                    "data-parallel gradient reduction overlapping the pipeline's drain) and peak memory per GPU; "
+                    "print the best. The cluster is a model: nothing is launched. Every configuration says "
+                    "whether the runtime can launch it (column 'run', JSON 'runnable' with the reasons and "
+                    "'launch' with pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute in the runtime's "
+                    "terms): today it runs recompute 'none' only, dp_mode allreduce (--zero 0) or zero1 "
+                    "(--zero 1), tp 1. Unrunnable ones are marked, not hidden, unless --runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
                    "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
                    "an error)")
@@ -44,7 +49,11 @@ def register(subparsers) -> None:
     p.add_argument("--ep", type=_int_list, default=None, help="expert-parallel sizes to try (default: all valid)")
     p.add_argument("--schedules", default=None, help="schedules to try, comma-separated (default: all hand ones)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
+                   help="activation recompute to model (default selective, DeepSeek-V3's; the runtime runs 'none' "
+                        "only for now, so other values are marked not runnable)")
+    p.add_argument("--runnable-only", action="store_true",
+                   help="rank only configurations the runtime can launch (default: rank all, mark the others)")
     p.add_argument("--zero", type=int, choices=(0, 1), default=1, help="ZeRO stage for the optimizer state")
     p.add_argument("--auto", type=int, default=0, metavar="N", help="also search the auto schedule for the N best "
                    "layouts (a few seconds each)")
@@ -128,7 +137,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     if args.auto < 0:
         raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
-    result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto, **options)
+    result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto, runnable_only=args.runnable_only,
+                  **options)
     print_plan(result, args.top)
     if args.json_path:
         write_json(result, args.json_path, max(args.top, 20))

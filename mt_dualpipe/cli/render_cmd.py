@@ -1,6 +1,7 @@
 """``render``: draw one schedule's simulation, or a measured run, to a file or the terminal.
 
     mt-dualpipe render NAME -p P -m M -o out.svg|out.png|out.json [--costs f,b,w[,fb[,comm]]]
+    mt-dualpipe render NAME -p P -m M --dp-sync X -o out.svg  # with each stage's gradient reduction
     mt-dualpipe render NAME -p P -m M --deps -o deps.svg      # which op waits on which
     mt-dualpipe render --timeline run.json -o run.svg [--against NAME]
 
@@ -19,6 +20,7 @@ from ..schedules import Costs, ScheduleError, build_schedule, schedule_info, sim
 from ..schedules.ir import Schedule
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline
+from .schedule_cmds import add_dp_sync_args, with_dp_sync
 
 
 def _build(name: str, ranks: int, microbatches: int, virtual_stages: int | None, costs: Costs | None = None
@@ -45,6 +47,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ScheduleError("--against NAME draws a simulation beneath a measured run: it needs --timeline")
     if args.deps and args.timeline is not None:
         raise ScheduleError("--deps draws a schedule's dependency graph: give a NAME, not --timeline")
+    if args.dp_sync is not None and args.timeline is not None:
+        raise ScheduleError("--dp-sync prices a simulated schedule's gradient reductions: give a NAME, not --timeline")
     if args.deps and args.output is None:
         raise ScheduleError("--deps needs -o FILE (.svg, .png, .pdf or .dot)")
 
@@ -96,6 +100,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             if args.deps:
                 print(f"wrote {dependency_graph(schedule, args.output)}")
                 return 0
+            schedule, costs = with_dp_sync(schedule, costs, args.dp_sync, args.sync_at)
             metrics = simulate(schedule, costs)
             timeline = metrics.to_timeline()
         if args.output is None:
@@ -124,6 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeline", default=None, help="a recorded run (mt-dualpipe.timeline/1 JSON) to draw")
     p.add_argument("--against", default=None, metavar="NAME",
                    help="with --timeline: also draw NAME's simulation beneath the run, on the same scale")
+    add_dp_sync_args(p)
     p.add_argument("--deps", action="store_true", help="draw the dependency graph (which op waits on which)")
     p.add_argument("--title", default=None, help="diagram title (default: schedule, P and M)")
     p.add_argument("--width", type=int, default=None, help="terminal width for the terminal view")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -13,6 +13,7 @@ from rich.text import Text
 from ..schedules import (
     Costs,
     ScheduleError,
+    add_grad_reduction,
     build_schedule,
     list_schedules,
     lower,
@@ -23,11 +24,12 @@ from ..schedules import (
 from ..schedules.ir import Op, Schedule
 from ..schedules.ops import OpKind, parts
 from ..schedules.simulate import SimResult
-from ..visualize.style import CODES
+from ..visualize.style import CODES, reduce_label
 
 # colours shared with the terminal diagrams: forward green, input-grad orange, weight-grad blue
 OP_STYLE = {OpKind.F: "bold black on green3", OpKind.B: "bold black on orange1", OpKind.W: "bold white on blue3",
-            OpKind.BW: "bold black on gold1", OpKind.FB: "bold white on purple4"}
+            OpKind.BW: "bold black on gold1", OpKind.FB: "bold white on purple4",
+            OpKind.REDUCE_GRAD: "bold white on dark_goldenrod"}
 SECOND_STYLE = {OpKind.F: "bold black on pale_green1", OpKind.B: "bold black on light_salmon1",
                 OpKind.W: "bold white on royal_blue1", OpKind.BW: "bold black on khaki1"}
 SEARCHING = {"auto"}  # schedules that search (need costs, take seconds): left out of compare unless asked
@@ -43,6 +45,31 @@ def add_schedule_args(p: argparse.ArgumentParser, name: bool = True) -> None:
     p.add_argument("-m", "--microbatches", type=int, required=True, help="micro-batches per step")
     p.add_argument("--costs", default="1,1,1", help="f,b,w[,fb[,comm]] per stage (default 1,1,1)")
     p.add_argument("--virtual-stages", type=int, default=None, help="chunks per rank for interleaved-1f1b")
+
+
+DP_SYNC_HELP = ("data-parallel gradient sync per stage, in the units of --costs (a schedule with smaller stages "
+                "gets a proportionally smaller one): adds one REDUCE_GRAD per stage right after its last W/BW, run "
+                "on the rank's communication stream; what outlasts the rank's compute is reported as exposed")
+
+
+def add_dp_sync_args(p: argparse.ArgumentParser, when: bool = True) -> None:
+    """``--dp-sync X`` (and ``--sync-at``): price and place the data-parallel gradient reductions."""
+    p.add_argument("--dp-sync", type=float, default=None, metavar="X", help=DP_SYNC_HELP)
+    if when:
+        p.add_argument("--sync-at", choices=("last_w", "step_end"), default="last_w",
+                       help="with --dp-sync: reduce each stage after its last W/BW (default, overlapped) or all "
+                            "after the rank's last op (what a sync after the step does)")
+
+
+def with_dp_sync(schedule: Schedule, costs: Costs, dp_sync: float | None, when: str = "last_w"
+                 ) -> tuple[Schedule, Costs]:
+    """``schedule`` with its gradient reductions (``add_grad_reduction``) and ``costs`` pricing them at
+    ``dp_sync`` per stage; both unchanged when ``dp_sync`` is None."""
+    if dp_sync is None:
+        return schedule, costs
+    if not dp_sync >= 0:
+        raise ScheduleError(f"--dp-sync must be a non-negative number, got {dp_sync:g}")
+    return add_grad_reduction(schedule, when), replace(costs, dp_sync=dp_sync)
 
 
 def build_options(name: str, costs: Costs | None = None, virtual_stages: int | None = None) -> dict:
@@ -82,15 +109,18 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 # ----- show --------------------------------------------------------------------------------------
 def op_text(op: Op, with_stage: bool) -> str:
-    """One op as text: ``F3`` (``b`` a full backward), with its stage (``F3/s5``) when ranks run several."""
+    """One op as text: ``F3`` (``b`` a full backward), with its stage (``F3/s5``) when ranks run several;
+    a stage's gradient reduction is ``R/s5`` (once per stage, not per micro-batch)."""
+    if op.kind == OpKind.REDUCE_GRAD:
+        return reduce_label(op.stage)
     return f"{CODES[op.kind]}{op.mb}" + (f"/s{op.stage}" if with_stage else "")
 
 
 def _token(item: Op, first_stage: tuple[int, int], with_stage: bool) -> Text:
     """One op (or F&B pair) as a token; ops of a rank's second stage (chain 1, a V's way back) are lighter."""
     text = "|".join(op_text(op, with_stage) for op in parts(item))
-    if item.kind == OpKind.FB:
-        return Text(text, style=OP_STYLE[OpKind.FB])
+    if item.kind in (OpKind.FB, OpKind.REDUCE_GRAD):
+        return Text(text, style=OP_STYLE[item.kind])
     style = (OP_STYLE if (item.chain, item.stage) == first_stage else SECOND_STYLE)[item.kind]
     return Text(text, style=style)
 
@@ -112,14 +142,20 @@ def op_grid(schedule: Schedule) -> Table:
     return grid
 
 
-def metrics_table(result: SimResult) -> Table:
-    table = Table(title=f"{result.name}: makespan {result.makespan:g}, bubble rate {100 * result.bubble_rate:.2f} %")
+def metrics_table(result: SimResult, dp_sync: bool = False) -> Table:
+    """Per-rank figures; with ``dp_sync``, each rank's exposed gradient-sync time (past its compute)."""
+    title = f"{result.name}: makespan {result.makespan:g}, bubble rate {100 * result.bubble_rate:.2f} %"
+    if dp_sync:
+        title += f", exposed DP sync {max(result.dp_exposed, default=0.0):g}"
+    table = Table(title=title)
     table.add_column("rank", justify="right")
-    for col in ("busy", "makespan bubble", "span bubble", "peak activations"):
+    cols = ["busy", "makespan bubble", "span bubble", "peak activations"] + (["exposed DP sync"] if dp_sync else [])
+    for col in cols:
         table.add_column(col, justify="right")
     for r in range(result.num_ranks):
-        table.add_row(str(r), f"{result.busy[r]:g}", f"{result.makespan_bubble[r]:g}", f"{result.span_bubble[r]:g}",
-                      str(result.peak_activations[r]))
+        cells = [str(r), f"{result.busy[r]:g}", f"{result.makespan_bubble[r]:g}", f"{result.span_bubble[r]:g}",
+                 str(result.peak_activations[r])]
+        table.add_row(*cells, *([f"{result.dp_exposed[r]:g}"] if dp_sync else []))
     return table
 
 
@@ -139,13 +175,13 @@ def gap_percent(makespan: float, bound: float) -> float:
 def cmd_show(args: argparse.Namespace) -> int:
     console = Console()
     plain = use_plain(console, args)
-    schedule = schedule_from_args(args)
-    costs = Costs.parse(args.costs)
+    schedule, costs = with_dp_sync(schedule_from_args(args), Costs.parse(args.costs), args.dp_sync, args.sync_at)
     result = simulate(schedule, costs)
     console.print(f"[bold]{schedule.name}[/] P={schedule.num_ranks} M={schedule.num_microbatches} "
                   f"costs: {costs.describe()}")
+    reduce_note = "; R/s5: stage 5's data-parallel gradient reduction" if args.dp_sync is not None else ""
     console.print("[bold]order per rank[/] (F forward, B input-grad, W weight-grad, b full backward, F3|b5 F&B "
-                  "pair; /s5: the op's stage, where a rank runs two):")
+                  f"pair; /s5: the op's stage, where a rank runs two{reduce_note}):")
     console.print(op_grid(schedule))
     from ..visualize import terminal_view
     from ..visualize.terminal import plain_width
@@ -154,7 +190,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     view = terminal_view(timeline, title=f"{schedule.name} timeline", metrics=result, plain=plain,
                          width=plain_width(timeline) if plain else None)
     (Console(width=plain_width(timeline)) if plain else console).print(view)
-    console.print(metrics_table(result))
+    console.print(metrics_table(result, dp_sync=args.dp_sync is not None))
     line = lower_bound_line(schedule, result.makespan)
     if line:
         console.print(line)
@@ -172,6 +208,7 @@ class Compared:
     schedule: Schedule | None = None
     result: SimResult | None = None
     reason: str = ""
+    at_end: SimResult | None = None     # with --dp-sync: the same schedule with every reduction at step end
 
     @property
     def peak(self) -> float:
@@ -185,20 +222,28 @@ class Compared:
         return bound if isinstance(bound, (int, float)) and bound > 0 else None
 
 
+def exposed_sync(result: SimResult) -> float:
+    """How much later the step ends because of its gradient reductions: the makespan past the compute's end."""
+    compute_end = max((end - exp for end, exp in zip(result.rank_end, result.dp_exposed)), default=0.0)
+    return max(0.0, result.makespan - compute_end) if result.dp_exposed else 0.0
+
+
 def stage_fraction(schedule: Schedule) -> float:
     """The size of one stage relative to one rank's share of the model (1/v for v chunks per rank)."""
     return schedule.num_ranks / schedule.num_stages()
 
 
 def compare_results(ranks: int, microbatches: int, costs: Costs, virtual_stages: int = 2,
-                    include: set[str] | None = None) -> list[Compared]:
+                    include: set[str] | None = None, dp_sync: float | None = None) -> list[Compared]:
     """Every schedule, simulated on the same model for (P, M), or with the reason it cannot run.
 
     ``costs`` are those of one rank's share of the model (1/P of it); a schedule that cuts that
     share into v smaller stages (V shapes, interleaving) gets per-stage costs scaled by 1/v, so
     makespans compare like for like. DualPipe's two stages per rank are full-size copies.
     Searching schedules (``auto``) are tried only when named in ``include``; they search against
-    those same scaled costs.
+    those same scaled costs. ``dp_sync`` (per rank's share, scaled like the other costs) adds each
+    stage's gradient reduction after its last W/BW (``result``) and, for contrast, all of them at
+    the step's end (``at_end``).
     """
     out = []
     for info in list_schedules():
@@ -216,7 +261,12 @@ def compare_results(ranks: int, microbatches: int, costs: Costs, virtual_stages:
             entry.reason = str(exc)
             out.append(entry)
             continue
-        entry.result = simulate(entry.schedule, scaled)
+        if dp_sync is None:
+            entry.result = simulate(entry.schedule, scaled)
+        else:
+            sched, priced = with_dp_sync(entry.schedule, scaled, dp_sync * entry.fraction)
+            entry.result = simulate(sched, priced)
+            entry.at_end = simulate(add_grad_reduction(entry.schedule, "step_end"), priced)
         out.append(entry)
     return out
 
@@ -237,14 +287,19 @@ def _compare_table(rows: list[Compared], title: str) -> Table:
     bounds = any(r.lower_bound for r in built)
     table = Table(title=title)
     table.add_column("schedule", justify="left", overflow="fold", ratio=1)
-    cols = ["makespan", "bubble", "peak", "stages", "params"] + (["bound (gap)"] if bounds else [])
+    sync = any(r.at_end for r in built)
+    cols = ["makespan"] + (["sync at end", "exposed"] if sync else []) + ["bubble", "peak", "stages", "params"] + \
+        (["bound (gap)"] if bounds else [])
     for col in cols:
         table.add_column(col, justify="right", min_width=max(len(w) for w in col.split()), no_wrap=False)
     for r in built:
         res = r.result
         mark = " ★" if res.makespan == best else ""
-        cells = [f"{r.label}{mark}", f"{res.makespan:g}", f"{100 * res.bubble_rate:.2f} %", f"{r.peak:g}",
-                 str(r.schedule.num_stages()), f"{schedule_info(r.name).param_copies}×"]
+        cells = [f"{r.label}{mark}", f"{res.makespan:g}"]
+        if sync:
+            cells += [f"{r.at_end.makespan:g}", f"{exposed_sync(res):g}"]
+        cells += [f"{100 * res.bubble_rate:.2f} %", f"{r.peak:g}", str(r.schedule.num_stages()),
+                  f"{schedule_info(r.name).param_copies}×"]
         if bounds:
             cells.append(f"{r.lower_bound:g} (+{gap_percent(res.makespan, r.lower_bound):.1f} %)"
                          if r.lower_bound else "-")
@@ -261,7 +316,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     console = Console()
     costs = Costs.parse(args.costs)
     include = {"auto"} if args.auto else None
-    rows = compare_results(args.ranks, args.microbatches, costs, args.virtual_stages or 2, include)
+    rows = compare_results(args.ranks, args.microbatches, costs, args.virtual_stages or 2, include, args.dp_sync)
     built = ranked(rows)
     if not built:
         reasons = "; ".join(f"{r.label}: {r.reason}" for r in rows)
@@ -271,6 +326,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     console.print(f"★ lowest makespan. Costs are per rank's share of the model; schedules with smaller stages get "
                   f"proportionally smaller per-stage costs. {PEAK_UNIT[0].upper()}{PEAK_UNIT[1:]}. params: parameter "
                   "copies per rank.")
+    if args.dp_sync is not None:
+        console.print(f"--dp-sync {args.dp_sync:g}: makespan with each stage's gradient reduction right after its last "
+                      "W/BW (overlapping the rest of the drain); sync at end: the same reductions after the step; "
+                      "exposed: how much later the overlapped step ends than its compute.")
     if args.output:
         from ..visualize import ComparisonEntry, render_comparison
 
@@ -320,6 +379,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_schedule_args(p)
     p.add_argument("--plain", action="store_true",
                    help="text without colour (the default when the output is not a terminal)")
+    add_dp_sync_args(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("compare", help="simulate every schedule that accepts P and M, side by side")
@@ -327,6 +387,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", default=None, help="also draw them stacked on one time scale (.svg/.png)")
     p.add_argument("--auto", action="store_true",
                    help="also search the auto schedule for these costs (seconds), with its lower bound")
+    add_dp_sync_args(p, when=False)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("export", help="save a schedule as JSON (mt-dualpipe.schedule/1) or pipelining CSV")

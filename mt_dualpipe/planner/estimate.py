@@ -5,9 +5,13 @@ system, the model is cut into pipeline stages balanced by compute, each stage's 
 all-to-all times come from FLOPs and bytes, and the pipeline part of the step is simulated with
 the same simulator as everything else in this library. Around it:
 
-- **step time** = simulated pipeline makespan + data-parallel gradient synchronisation
-  (ZeRO-1 reduce-scatter + all-gather, i.e. an all-reduce's traffic, counted as exposed; DeepSeek
-  overlaps some of it, so this is conservative).
+- **step time** = the simulated makespan of the schedule with one data-parallel gradient
+  reduction per stage right after its last W/BW (``add_grad_reduction``, priced per stage by
+  ``dp_sync.stage_sync_times``: all-reduce, or ZeRO-1's reduce-scatter), run on each rank's
+  communication stream so the pipeline's drain hides what it can; plus ZeRO-1's parameter
+  all-gather after the optimizer step (``dp_sync.param_gather_time``, exposed). ``pipeline_time``
+  is the compute's makespan, ``dp_sync_time`` what the sync adds to it (exposed), and
+  ``dp_sync_total`` what it would add with nothing hidden.
 - **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel with
   ZeRO-1; experts are sharded by expert parallel and their optimizer over the expert-data-parallel
   group) + peak in-flight activations of the schedule on that rank x the bytes one stage saves
@@ -23,15 +27,17 @@ bytes. The point-to-point hop sends one micro-batch's hidden states.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..schedules import Costs, build_schedule, schedule_info
+from ..schedules import Costs, add_grad_reduction, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
 from ..schedules.ops import parts, rule
-from ..schedules.simulate import run_schedule
+from ..schedules.simulate import SimResult, run_schedule
+from .dp_sync import param_gather_time, stage_sync_times
 from .model import Item, ModelSpec
+from .runnable import launch, unrunnable_reasons
 from .system import SystemSpec
 
 GB = 1e9
@@ -84,11 +90,21 @@ class Estimate:
     fits: bool
     note: str = ""
     per_rank_gb: list[float] = field(default_factory=list)  # total memory of every pipeline rank
-    costs: Costs | None = field(default=None, repr=False)
+    costs: Costs | None = field(default=None, repr=False)  # dp_sync: each stage's gradient reduction
+    dp_sync_total: float = 0.0  # the sync's time with nothing hidden (the most loaded rank's)
 
     @property
     def total_memory_gb(self) -> float:
         return self.memory_gb["total"]
+
+    @property
+    def unrunnable(self) -> list[str]:
+        """Why the runtime cannot launch this configuration (empty: it can)."""
+        return unrunnable_reasons(self.strategy)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.unrunnable
 
     def to_dict(self) -> dict:
         s = self.strategy
@@ -97,10 +113,12 @@ class Estimate:
                 "num_microbatches": s.num_microbatches, "micro_batch_size": s.micro_batch_size, "ep": s.ep,
                 "dp": s.dp, "tp": 1, "zero": s.zero, "dtype": s.dtype, "recompute": s.recompute,
                 "step_time_s": self.step_time, "pipeline_time_s": self.pipeline_time,
-                "dp_sync_time_s": self.dp_sync_time, "bubble_rate": self.bubble_rate, "mfu": self.mfu,
+                "dp_sync_time_s": self.dp_sync_time, "dp_sync_exposed_s": self.dp_sync_time,
+                "dp_sync_total_s": self.dp_sync_total, "bubble_rate": self.bubble_rate, "mfu": self.mfu,
                 "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "peak_activations": self.peak_activations,
-                "stage_layers": self.stage_layers, "fits": self.fits, "note": self.note}
+                "stage_layers": self.stage_layers, "fits": self.fits, "note": self.note,
+                "launch": launch(s), "runnable": self.runnable, "unrunnable": self.unrunnable}
 
 
 # ----- model cut ---------------------------------------------------------------------------------
@@ -295,7 +313,7 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     stages = stage_items(model, strategy, system)
     costs = stage_costs(model, strategy, system, stages)
     sched = _schedule(strategy, costs)
-    res = run_schedule(sched, costs, record=False)
+    res, timing = _simulate(strategy, system, stages, sched, costs)
     worst = None
     per_rank = []
     stage_bytes = [sum(i.act_bytes for i in g) * tokens for g in stages]
@@ -309,21 +327,53 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
         if worst is None or mem["total"] > worst[0]["total"]:
             worst = (mem, res.peak_activations[r])
     mem, peak = worst
-    # data-parallel gradient sync (reduce-scatter + all-gather of BF16 grads/params), exposed
-    dense = max(sum(i.params for s in sorted({s for _, s in sched.local_stages(r)}) for i in stages[s])
-                for r in range(strategy.pp))
-    expert = max(sum(i.expert_params for s in sorted({s for _, s in sched.local_stages(r)}) for i in stages[s])
-                 for r in range(strategy.pp)) / strategy.ep
-    edp = max(1, strategy.dp // strategy.ep)
-    # ranks are laid out data-parallel innermost (tp = 1), so both groups leave the node once dp does
-    bw, lat = system.link(strategy.dp > system.gpus_per_node)
-    sync = 0.0
-    for n_params, group in ((dense, strategy.dp), (expert, edp)):
-        if group > 1:  # ring reduce-scatter + all-gather of BF16 values: 2 x 2 bytes x (g-1)/g per parameter
-            sync += 2 * n_params * 2 * (group - 1) / group / bw + 2 * lat
-    step = res.makespan + sync
+    step = timing.step
     useful = model.flops_per_token(strategy.seq_len) * tokens * strategy.num_microbatches * strategy.dp
     mfu = useful / (strategy.gpus * system.tflops(strategy.dtype) * 1e12 * step)
     fits = mem["total"] <= system.gpu_memory_gb * system.mem_factor
-    return Estimate(strategy, step, res.makespan, sync, res.bubble_rate, mem, peak, [len(g) for g in stages], mfu, fits,
-                    per_rank_gb=per_rank, costs=costs)
+    return Estimate(strategy, step, timing.pipeline, step - timing.pipeline, timing.bubble_rate, mem, peak,
+                    [len(g) for g in stages], mfu, fits, per_rank_gb=per_rank, costs=timing.costs,
+                    dp_sync_total=timing.total)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    step: float
+    pipeline: float      # the compute's makespan
+    bubble_rate: float   # idle share of the compute's makespan (the pipeline bubble)
+    total: float         # the data-parallel sync with nothing hidden
+    costs: Costs
+
+
+def _simulate(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], sched: Schedule, costs: Costs
+              ) -> tuple[SimResult, _Timing]:
+    """Simulate the schedule with each stage's gradient reduction after its last W/BW, priced by the
+    network model; with nothing to reduce (one replica, one copy of each stage) the plain schedule."""
+    sync = stage_sync_times(strategy, system, stages, sched)
+    gather = param_gather_time(strategy, system, stages, sched)
+    if not any(sync) and not gather:
+        res = run_schedule(sched, costs, record=False)
+        return res, _Timing(res.makespan, res.makespan, res.bubble_rate, 0.0, costs)
+    priced = replace(costs, dp_sync=sync)
+    res = run_schedule(_reduced(strategy, sched), priced, record=False)
+    ends = [end - exposed for end, exposed in zip(res.rank_end, res.dp_exposed)]  # each rank's compute end
+    pipeline = max(ends)
+    idle = sum(pipeline - b for b in res.busy)
+    total = max(sum(sync[s] for _, s in sched.local_stages(r)) for r in range(sched.num_ranks)) + gather
+    return res, _Timing(res.makespan + gather, pipeline, idle / (len(ends) * pipeline) if pipeline else 0.0, total,
+                        priced)
+
+
+def _reduced(strategy: Strategy, sched: Schedule) -> Schedule:
+    """``sched`` with its gradient reductions; built once per hand schedule (shared, never modified)."""
+    if strategy.schedule == AUTO:
+        return add_grad_reduction(sched)
+    return reduced_hand_schedule(strategy.schedule, strategy.pp, strategy.num_microbatches,
+                         tuple(sorted(schedule_options(strategy).items())))
+
+
+@lru_cache(maxsize=SCHEDULE_CACHE_SIZE)
+def reduced_hand_schedule(name: str, num_ranks: int, num_microbatches: int,
+                          options: tuple[tuple[str, object], ...] = ()) -> Schedule:
+    """``hand_schedule`` with its gradient reductions (``add_grad_reduction``), built once per key."""
+    return add_grad_reduction(hand_schedule(name, num_ranks, num_microbatches, options))

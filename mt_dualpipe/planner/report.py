@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .model import ModelSpec
+from .runnable import short_reason
 from .search import PlanResult
 
 
@@ -23,19 +24,37 @@ def plan_table(result: PlanResult, top: int = 10):
     cap = system.gpu_memory_gb * system.mem_factor
     table = Table(title=f"{model_title(result.model)} on {result.gpus} x {system.name} "
                         f"({system.gpu_memory_gb:g} GB, usable {cap:.1f} GB), global batch {result.global_batch}")
-    for col in ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sync s", "bubble",
-                "MFU", "weights", "grads", "optim", "activ", "mem GB"):
-        table.add_column(col, justify="right" if col not in ("schedule",) else "left")
+    for col in COLUMNS:
+        table.add_column(col, justify="right" if col not in ("schedule", "run") else "left")
     ref = result.reference
     for i, e in enumerate(result.ranked[:top]):
         s, m = e.strategy, e.memory_gb
         name = s.schedule_label
         style = "bold green" if ref is not None and e is ref else None
         table.add_row(str(i + 1), str(s.pp), name, str(s.num_microbatches), str(s.ep), str(s.dp), "1",
-                      f"{e.step_time:.2f}", f"{e.pipeline_time:.2f}", f"{e.dp_sync_time:.2f}", f"{e.bubble_rate:.1%}",
+                      f"{e.step_time:.2f}", f"{e.pipeline_time:.2f}", f"{e.dp_sync_time:.2f}",
+                      f"{e.dp_sync_total:.2f}", f"{e.bubble_rate:.1%}",
                       f"{e.mfu:.1%}", f"{m['weights']:.1f}", f"{m['gradients']:.1f}", f"{m['optimizer']:.1f}",
-                      f"{m['activations']:.1f}", f"{m['total']:.1f}", style=style)
+                      f"{m['activations']:.1f}", f"{m['total']:.1f}", short_reason(e.unrunnable), style=style)
     return table
+
+
+COLUMNS = ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sync s", "of s", "bubble",
+           "MFU", "weights", "grads", "optim", "activ", "mem GB", "run")
+"""The plan table's columns; "sync s" is the data-parallel sync the pipeline does not hide (exposed),
+"of s" the same sync with nothing hidden; "run" whether the runtime can launch the row."""
+
+
+def notes(result: PlanResult, top: int = 10) -> list[str]:
+    """The lines under the table: what the sync columns mean, and why rows cannot be launched."""
+    out = ["sync s: data-parallel gradient sync left exposed after each stage's reduction overlaps the pipeline's "
+           "drain (simulated, plus ZeRO-1's parameter all-gather after the step); of s: the same sync unhidden. "
+           "dp counts expert-parallel ranks (Megatron's convention); JSON \"launch\" gives the runtime's mesh dp."]
+    reasons = sorted({r for e in result.ranked[:top] for r in e.unrunnable})
+    if reasons:
+        out.append("run no: the runtime cannot launch it yet — " + "; ".join(reasons)
+                   + ". --runnable-only ranks only the configurations it can.")
+    return out
 
 
 def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
@@ -43,15 +62,20 @@ def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
 
     if console is None:
         console = Console()
-        if console.width < 150:  # the table has 17 columns: do not squeeze it into a pipe's 80
-            console = Console(width=150)
+        if console.width < 170:  # the table has 19 columns: do not squeeze it into a pipe's 80
+            console = Console(width=170)
     if not result.ranked:
         console.print(f"{model_title(result.model)}: no configuration fits in {result.system.gpu_memory_gb:g} GB "
-                      f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out)")
+                      f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out"
+                      + (f", {result.not_runnable} not runnable left out: see --recompute none"
+                         if result.not_runnable else "") + ")")
     else:
         console.print(plan_table(result, top))
         console.print(f"{len(result.ranked)} configurations fit, {len(result.rejected)} exceed the memory, "
-                      f"{result.skipped} combinations ruled out (divisibility or schedule rules)")
+                      f"{result.skipped} combinations ruled out (divisibility or schedule rules)"
+                      + (f", {result.not_runnable} left out as not runnable" if result.not_runnable else ""))
+        for line in notes(result, top):
+            console.print(line)
     if result.verdict:
         console.print(result.verdict)
 

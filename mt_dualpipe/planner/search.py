@@ -17,6 +17,7 @@ from ..schedules.errors import ScheduleError
 from ..schedules.registry import schedule_info
 from .estimate import AUTO, Estimate, Strategy, estimate
 from .model import ModelSpec
+from .runnable import unrunnable_reasons
 from .system import SystemSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "dualpipe")
@@ -32,6 +33,7 @@ class PlanResult:
     ranked: list[Estimate]                       # fitting configurations, fastest first
     rejected: list[Estimate] = field(default_factory=list)  # estimated but over the memory
     skipped: int = 0                             # combinations that do not exist (divisibility, schedule rules)
+    not_runnable: int = 0                        # left out by ``runnable_only`` (the runtime cannot launch them)
     reference: Estimate | None = None            # the model's published configuration, when it has one
     reference_rank: int | None = None
     verdict: str = ""
@@ -41,7 +43,7 @@ class PlanResult:
                 "gpus": self.gpus, "global_batch": self.global_batch,
                 "configurations": [e.to_dict() for e in self.ranked[:top]],
                 "over_memory": [e.to_dict() for e in sorted(self.rejected, key=lambda e: e.step_time)[:top]],
-                "skipped": self.skipped,
+                "skipped": self.skipped, "not_runnable_left_out": self.not_runnable,
                 "reference": self.reference.to_dict() if self.reference else None,
                 "reference_rank": self.reference_rank, "verdict": self.verdict}
 
@@ -96,13 +98,15 @@ def candidates(model: ModelSpec, gpus: int, global_batch: int, *, pp: list[int] 
 
 
 def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | None = None, *,
-         reference: Strategy | None = None, auto_top: int = 0, **options) -> PlanResult:
+         reference: Strategy | None = None, auto_top: int = 0, runnable_only: bool = False, **options) -> PlanResult:
     """Estimate every candidate strategy; rank the ones that fit by step time.
 
     ``reference`` (default: the model's published ``training`` block, when it matches ``gpus``) is
     located in the ranking, and ``verdict`` says where it landed and, if it is not first, why the
     winner is faster. ``auto_top`` > 0 also searches the ``auto`` schedule (same placement, the
     measured stage costs, the leanest hand schedule's memory) for the best ``auto_top`` layouts.
+    Every estimate says whether the runtime can launch it (``Estimate.runnable``, ``planner.runnable``);
+    ``runnable_only`` leaves out the ones it cannot (counted in ``not_runnable``).
     """
     if gpus < 1:
         raise ScheduleError(f"--gpus must be a positive integer, got {gpus}")
@@ -117,6 +121,10 @@ def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | No
     if options["dtype"] not in ("bf16", "fp8"):
         raise ScheduleError(f"dtype must be bf16 or fp8, got {options['dtype']!r}")
     strategies, skipped = candidates(model, gpus, global_batch, **options)
+    not_runnable = 0
+    if runnable_only:
+        kept = [st for st in strategies if not unrunnable_reasons(st)]
+        strategies, not_runnable = kept, len(strategies) - len(kept)
     ranked, rejected = [], []
     for st in strategies:
         try:
@@ -128,7 +136,7 @@ def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | No
     ranked.sort(key=lambda e: (e.step_time, e.total_memory_gb))
     if auto_top:
         _add_auto(model, system, ranked, rejected, auto_top)
-    result = PlanResult(model, system, gpus, global_batch, ranked, rejected, skipped)
+    result = PlanResult(model, system, gpus, global_batch, ranked, rejected, skipped, not_runnable=not_runnable)
     if reference is None:
         reference = _published(training, gpus, global_batch, options)
     if reference is not None:

@@ -18,7 +18,7 @@ from ..schedules.ir import ComputeItem, Op, Schedule
 from ..schedules.ops import Need, OpKind, Signal, makes, parts, producers
 from ..schedules.simulate import simulate
 from ._graphviz import quote, write_graph
-from .style import colour
+from .style import colour, reduce_label
 
 MAX_OPS = 600
 UNIT_W = 42.0  # points per cost unit
@@ -79,6 +79,8 @@ def dependencies(schedule: Schedule) -> list[tuple[tuple[int, int], tuple[int, i
 
 
 def _label(item: ComputeItem) -> str:
+    if item.kind == OpKind.REDUCE_GRAD:  # once per stage: no micro-batch
+        return reduce_label(item.stage)
     if item.kind == OpKind.FB:
         return f"{item.f.kind}{item.f.mb}+{item.b.kind}{item.b.mb}\ns{item.f.stage}/s{item.b.stage}"
     return f"{item.kind}{item.mb}\ns{item.stage}"

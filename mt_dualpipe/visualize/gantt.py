@@ -23,11 +23,13 @@ from statistics import median
 
 from ..schedules.timeline import Timeline, TimelineEvent
 from ._graphviz import quote, write_graph
-from .metrics import StageSlots, Summary, events_by_rank, start_time
+from .metrics import StageSlots, Summary, collective_by_rank, events_by_rank, start_time, step_span
 from .style import (
     COMM_COLOUR,
     KIND_NAMES,
     KINDS,
+    REDUCE_COLOUR,
+    REDUCE_NAME,
     SECOND_STAGE_NAME,
     cell_label,
     colour,
@@ -42,6 +44,8 @@ ROW_H = 16.0
 ROW_H_STAGES = 22.0  # rows whose boxes also say their stage (a second text line)
 ROW_GAP = 3.0
 COMM_H = 5.0
+REDUCE_H = 9.0  # the gradient-reduction lane: thinner than an op row, tall enough for "R/s3"
+REDUCE_FONT = 6.0
 LEFT_W = 44.0
 RIGHT_W = 104.0
 PANEL_GAP = 14.0
@@ -122,7 +126,7 @@ class _Canvas:
 
 def time_width(panels: list[Panel]) -> tuple[float, float]:
     """Points for the time axis and the shared time span: a typical op about ``TARGET_OP_W`` wide."""
-    span = max((p.timeline.makespan for p in panels), default=0.0)
+    span = max((step_span(p.timeline) for p in panels), default=0.0)
     durs = [e.end - e.start for p in panels for e in p.timeline.compute_events() if e.end > e.start]
     typical = median(durs) if durs else 1.0
     width = TARGET_OP_W * span / typical if typical > 0 else MIN_TIME_W
@@ -133,6 +137,9 @@ def _draw_panel(cv: _Canvas, panel: Panel, y: float, scale: float, right_x: floa
     """Draw one panel's rows from ``y`` down, per-rank figures at ``right_x``; returns the y below it.
 
     Op boxes get ids ``op_<ids>r<rank>_<n>`` (``ids`` tells panels apart: "p1_" for the second).
+    Under a rank's row come its measured point-to-point communication (``comm_...``) and its
+    gradient reductions (``reduce_<ids>r<rank>_<n>``, one labelled box per stage reduced, on
+    the same time scale), each on a lane of its own when the timeline has any.
     """
     tl = panel.timeline
     x0 = MARGIN + LEFT_W
@@ -141,12 +148,12 @@ def _draw_panel(cv: _Canvas, panel: Panel, y: float, scale: float, right_x: floa
         y += HEADER_H
     t0 = start_time(tl)
     rows = events_by_rank(tl)
-    comm_rows = events_by_rank(tl, "comm")
-    has_comm = any(comm_rows)
+    comm_rows = events_by_rank(tl, "comm", collective=False)
+    reduce_rows = collective_by_rank(tl)
     slots = StageSlots(tl)
     row_h = ROW_H_STAGES if slots.multi else ROW_H
     pct = panel.summary.bubble_percent
-    span = tl.makespan
+    span = step_span(tl)
     for r in range(tl.num_ranks):
         cv.text(MARGIN + LEFT_W / 2, y + 1, f"rank {r}", 8, centre=True, cls="rank-label")
         cv.box(x0, y, span * scale, row_h, 'color="#e6e6e6" fillcolor="#f7f7f7" class="lane"')
@@ -160,14 +167,33 @@ def _draw_panel(cv: _Canvas, panel: Panel, y: float, scale: float, right_x: floa
         right = f"idle {pct[r]:.1f}%  peak {panel.summary.peak_activations[r] * panel.peak_scale:g}"
         cv.text(right_x, y + 1, right, 8, cls="rank-metrics")
         y += row_h
-        if has_comm:
+        if any(comm_rows):
             for i, e in enumerate(comm_rows[r]):
                 cv.box(x0 + (e.start - t0) * scale, y + 0.5, (e.end - e.start) * scale, COMM_H - 1,
                        f'id="comm_{ids}r{r}_{i}" class="comm {e.op}" fillcolor="{COMM_COLOUR}" color="{COMM_COLOUR}" '
                        f'tooltip={quote(f"{e.op} (c{e.chain},s{e.stage},m{e.mb})")}')
             y += COMM_H
+        if any(reduce_rows):
+            exposed = panel.summary.dp_exposed[r] if panel.summary.dp_exposed else 0.0
+            _draw_reduce_lane(cv, reduce_rows[r], x0, y, t0, scale, f"{ids}r{r}")
+            cv.text(right_x, y, f"dp sync exposed {fmt_time(exposed)}", REDUCE_FONT, cls="reduce-metrics")
+            y += REDUCE_H
         y += ROW_GAP
     return y
+
+
+def _draw_reduce_lane(cv: _Canvas, events: list[TimelineEvent], x0: float, y: float, t0: float, scale: float,
+                      ids: str) -> None:
+    """One rank's gradient reductions: a thin box per stage reduced, labelled ``R/s3`` where it fits."""
+    for i, e in enumerate(events):
+        w = (e.end - e.start) * scale
+        text = cell_label(e)
+        fits = _text_w(text, REDUCE_FONT) <= w
+        label = f" label={quote(text)} fontsize={REDUCE_FONT * _Canvas.ZOOM:g}" if fits else ""
+        cv.box(x0 + (e.start - t0) * scale, y + 0.5, w, REDUCE_H - 1,
+               f'id="reduce_{ids}_{i}" class="reduce {e.op} chain{e.chain} stage{e.stage}" '
+               f'fillcolor="{REDUCE_COLOUR}" color="{REDUCE_COLOUR}" fontcolor=white{label} '
+               f'tooltip={quote(f"{describe(e)} {fmt_time(e.start - t0)}-{fmt_time(e.end - t0)}")}')
 
 
 def _box_label(e: TimelineEvent, width: float, with_stage: bool) -> str:
@@ -215,7 +241,13 @@ def _draw_legend(cv: _Canvas, y: float, panels: list[Panel]) -> float:
             x += cv.text(x, y, f"{kind} {KIND_NAMES[kind]}", 8, cls="legend") + 10
         cv.width = max(cv.width, x + MARGIN)
         y += 15
-    if any(e.lane == "comm" for p in panels for e in p.timeline.events):
+    if any(any(collective_by_rank(p.timeline)) for p in panels):
+        x = MARGIN + cv.text(MARGIN, y, "data parallel", 8, cls="legend") + 6
+        cv.box(x, y + 1, 18, REDUCE_H - 1, f'class="legend-swatch reduce-lane" fillcolor="{REDUCE_COLOUR}" '
+               f'color="{REDUCE_COLOUR}"')
+        cv.text(x + 22, y, f"R/s3 {REDUCE_NAME}; right: its time past the rank's compute", 8, cls="legend")
+        y += 15
+    if any(any(events_by_rank(p.timeline, "comm", collective=False)) for p in panels):
         x = MARGIN + cv.text(MARGIN, y, "measured", 8, cls="legend") + 6
         cv.box(x, y + 3, 18, COMM_H, f'class="legend-swatch comm-lane" fillcolor="{COMM_COLOUR}" color="{COMM_COLOUR}"')
         cv.text(x + 22, y, "communication (send/recv) under each rank", 8, cls="legend")
@@ -258,5 +290,8 @@ def render_panels(path: str | Path, panels: list[Panel], title: str, subtitle: s
 
 
 def summary_text(summary: Summary) -> str:
-    return (f"makespan {fmt_time(summary.makespan)} · bubble rate {100 * summary.bubble_rate:.2f}% · "
+    text = (f"makespan {fmt_time(summary.makespan)} · bubble rate {100 * summary.bubble_rate:.2f}% · "
             f"peak activations {summary.peak}")
+    if summary.dp_exposed:
+        text += f" · exposed DP sync {fmt_time(summary.exposed_dp_sync)}"
+    return text

@@ -9,13 +9,19 @@ or BW finishes.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..schedules.costs import Costs
 from ..schedules.ir import Op
-from ..schedules.ops import OpKind, rule
+from ..schedules.ops import RULES, OpKind, rule
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline, TimelineEvent
+
+COLLECTIVE_KINDS: tuple[str, ...] = tuple(k for k, r in RULES.items() if r.stream == "collective")
+"""Op kinds posted to a rank's communication stream (``ops.RULES``: the data-parallel ``REDUCE_GRAD``).
+
+They do not occupy the rank, but a step is not over before they are: they count in the makespan
+and are drawn on a lane of their own under each rank."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class Summary:
     bubble: list[float]  # makespan bubble per rank
     bubble_rate: float
     peak_activations: list[int]
+    dp_exposed: list[float] = field(default_factory=list)  # per rank; empty when nothing reduces gradients
 
     @property
     def bubble_percent(self) -> list[float]:
@@ -39,28 +46,43 @@ class Summary:
     def peak(self) -> int:
         return max(self.peak_activations, default=0)
 
+    @property
+    def exposed_dp_sync(self) -> float:
+        """The most exposed rank's gradient-reduction time past its compute (0 without reductions)."""
+        return max(self.dp_exposed, default=0.0)
+
     @classmethod
     def from_sim(cls, result: SimResult) -> Summary:
+        reduces = any(e.op in COLLECTIVE_KINDS for e in result.timeline)
         return cls(result.name, result.num_ranks, result.num_microbatches, result.makespan, list(result.busy),
-                   list(result.makespan_bubble), result.bubble_rate, list(result.peak_activations))
+                   list(result.makespan_bubble), result.bubble_rate, list(result.peak_activations),
+                   list(result.dp_exposed) if reduces else [])
 
     @classmethod
     def from_timeline(cls, timeline: Timeline) -> Summary:
+        """The same figures as the simulator's, from the events: the makespan runs to the last
+        compute op or gradient reduction; a rank's exposed sync is its reductions' end past its compute."""
         P = timeline.num_ranks
         per_rank = events_by_rank(timeline)
-        makespan = timeline.makespan
+        makespan = step_span(timeline)
         busy = [sum(e.end - e.start for e in per_rank[r]) for r in range(P)]
         bubble = [makespan - b for b in busy]
         rate = sum(bubble) / (P * makespan) if makespan and P else 0.0
+        reduces = collective_by_rank(timeline)
+        exposed = [max(0.0, max((e.end for e in reduces[r]), default=0.0)
+                       - max((e.end for e in per_rank[r]), default=0.0)) for r in range(P)] if any(reduces) else []
         return cls(timeline.name, P, timeline.num_microbatches, makespan, busy, bubble, rate,
-                   [peak_activations(per_rank[r]) for r in range(P)])
+                   [peak_activations(per_rank[r]) for r in range(P)], exposed)
 
 
-def events_by_rank(timeline: Timeline, lane: str = "compute") -> list[list[TimelineEvent]]:
-    """The events of ``lane`` grouped per rank, each list sorted by start time."""
+def events_by_rank(timeline: Timeline, lane: str = "compute", collective: bool | None = None
+                   ) -> list[list[TimelineEvent]]:
+    """The events of ``lane`` grouped per rank, each list sorted by start time.
+
+    ``collective`` keeps only the gradient reductions (True) or leaves them out (False)."""
     rows: list[list[TimelineEvent]] = [[] for _ in range(timeline.num_ranks)]
     for e in timeline.events:
-        if e.lane == lane:
+        if e.lane == lane and (collective is None or (e.op in COLLECTIVE_KINDS) == collective):
             if not 0 <= e.rank < timeline.num_ranks:
                 from ..schedules.errors import ScheduleError
 
@@ -69,6 +91,20 @@ def events_by_rank(timeline: Timeline, lane: str = "compute") -> list[list[Timel
     for row in rows:
         row.sort(key=lambda e: (e.start, e.end))
     return rows
+
+
+def collective_by_rank(timeline: Timeline) -> list[list[TimelineEvent]]:
+    """Each rank's gradient reductions (``COLLECTIVE_KINDS``, on the comm lane), by start time."""
+    return events_by_rank(timeline, "comm", collective=True)
+
+
+def step_span(timeline: Timeline) -> float:
+    """A step's length: from the first compute op or reduction to the last one's end.
+
+    ``Timeline.makespan`` counts compute only; a reduction that outlasts the compute ends the step
+    later (the simulator's ``makespan`` does the same). Point-to-point comm events do not count."""
+    ev = [e for e in timeline.events if e.lane == "compute" or e.op in COLLECTIVE_KINDS]
+    return max(e.end for e in ev) - min(e.start for e in ev) if ev else 0.0
 
 
 def event_ops(e: TimelineEvent) -> tuple[Op, ...]:

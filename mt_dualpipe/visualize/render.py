@@ -99,8 +99,11 @@ class ComparisonEntry:
         summary = Summary.from_sim(self.result)
         peak = max(self.result.peak_activations, default=0) * self.peak_scale
         mark = f"{BEST_MARK} " if self.best else ""
-        return (f"{mark}{self.label} · makespan {fmt_time(summary.makespan)} · bubble rate "
+        text = (f"{mark}{self.label} · makespan {fmt_time(summary.makespan)} · bubble rate "
                 f"{100 * summary.bubble_rate:.2f}% · peak activations {peak:g}")
+        if summary.dp_exposed:
+            text += f" · exposed DP sync {fmt_time(summary.exposed_dp_sync)}"
+        return text
 
 
 BEST_MARK = "★"

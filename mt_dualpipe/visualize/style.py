@@ -28,8 +28,13 @@ PALETTE = {
     OpKind.BW: ("#9467c9", "#d6c6ee"),
     OpKind.FB: ("#e0606b", "#f5bcc1"),
 }
-CODES = {OpKind.F: "F", OpKind.B: "B", OpKind.W: "W", OpKind.BW: "b"}
-"""One-letter codes of the plain-text views (b: full backward, as in ``mt-dualpipe show``)."""
+CODES = {OpKind.F: "F", OpKind.B: "B", OpKind.W: "W", OpKind.BW: "b", OpKind.REDUCE_GRAD: "R"}
+"""One-letter codes of the plain-text views (b: full backward, as in ``mt-dualpipe show``; R: a
+stage's data-parallel gradient reduction)."""
+REDUCE_COLOUR = "#b8860b"
+"""A ``REDUCE_GRAD`` (data-parallel gradient reduction) on a rank's communication lane: dark gold,
+apart from every compute hue and from the grey of point-to-point communication."""
+REDUCE_NAME = "stage 3's data-parallel gradient reduction (comm stream, under its rank)"
 SECOND_STAGE = "'"
 """Marks an op of a rank's second stage in the plain-text views."""
 SECOND_STAGE_NAME = "the rank's second stage (chain 1, a V's way back, the next chunk)"
@@ -40,13 +45,18 @@ UNKNOWN_COLOUR = "#cccccc"
 def colour(kind: str, slot: int) -> str:
     """Fill colour of an op of ``kind`` on the rank's stage ``slot`` (0 first; slots past 1 reuse the tints)."""
     pair = PALETTE.get(kind)
+    if kind == OpKind.REDUCE_GRAD:
+        return REDUCE_COLOUR
     if pair is None:
         return COMM_COLOUR if kind in COMM_KINDS or kind == OpKind.COMM else UNKNOWN_COLOUR
     return pair[slot % 2]
 
 
 def cell_label(event: TimelineEvent) -> str:
-    """The micro-batch number(s) written inside a cell: ``3``, or ``3+14`` for an FB pair."""
+    """The micro-batch number(s) written inside a cell: ``3``, or ``3+14`` for an FB pair; a
+    stage's gradient reduction (once per stage, not per micro-batch) writes ``R/s3``."""
+    if event.op == OpKind.REDUCE_GRAD:
+        return reduce_label(event.stage)
     if event.pair is not None:
         return f"{event.mb}+{event.pair[3]}"
     return str(event.mb)
@@ -57,6 +67,11 @@ def stage_label(event: TimelineEvent) -> str:
     if event.pair is not None:
         return f"s{event.stage}+s{event.pair[2]}"
     return f"s{event.stage}"
+
+
+def reduce_label(stage: int) -> str:
+    """A stage's gradient reduction in every view (diagram cells, ``mt-dualpipe show``'s op list)."""
+    return f"{CODES[OpKind.REDUCE_GRAD]}/s{stage}"
 
 
 def plain_label(kind: str, mb: int, second: bool) -> str:

@@ -10,6 +10,11 @@ An op on a rank's second stage (a V's way back, DualPipe's reverse chain) is dra
 writes its kind code and micro-batch (``F3``, ``B3``, ``W3``, ``b3`` for a full backward,
 ``F3|b5`` for an FB pair), ``'`` marks an op of the rank's second stage, ``.`` fills the rest of
 an op's columns and idle time stays blank.
+
+A schedule with data-parallel gradient reductions (``REDUCE_GRAD``, ``add_grad_reduction``) gets
+a second row under each rank, between dashed bars: its communication stream, one ``R/s3`` cell
+per stage reduced, on the same time scale, and at the right ``+x dp``, the reduction time past
+the rank's compute (exposed). The metrics end with the exposed sync per rank.
 """
 
 from __future__ import annotations
@@ -23,8 +28,29 @@ from rich.text import Text
 from ..schedules.ops import OpKind
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline, TimelineEvent
-from .metrics import StageSlots, Summary, event_ops, events_by_rank, start_time
-from .style import CODES, KIND_NAMES, KINDS, SECOND_STAGE, SECOND_STAGE_NAME, cell_label, colour, fmt_time, plain_label
+from .metrics import (
+    COLLECTIVE_KINDS,
+    StageSlots,
+    Summary,
+    collective_by_rank,
+    event_ops,
+    events_by_rank,
+    start_time,
+    step_span,
+)
+from .style import (
+    CODES,
+    KIND_NAMES,
+    KINDS,
+    REDUCE_NAME,
+    SECOND_STAGE,
+    SECOND_STAGE_NAME,
+    cell_label,
+    colour,
+    fmt_time,
+    plain_label,
+    reduce_label,
+)
 
 MIN_COLUMNS = 10
 _SUFFIX = "   idle  peak"  # what follows the row's closing bar: f"{idle:6.1f}%{peak:>6}"
@@ -43,7 +69,9 @@ def _style(kind: str, slot: int, shade: int = 0) -> Style:
 
 
 def _plain_text(e: TimelineEvent, slots: StageSlots) -> str:
-    """An op's text in the plain view: ``F3``, ``b3'``, ``F3|b5'``."""
+    """An op's text in the plain view: ``F3``, ``b3'``, ``F3|b5'``; a gradient reduction ``R/s3``."""
+    if e.op in COLLECTIVE_KINDS:
+        return cell_label(e)
     return "|".join(plain_label(op.kind, op.mb, slots.second(e.rank, op)) for op in event_ops(e))
 
 
@@ -67,7 +95,7 @@ def _row_cells(events: list[TimelineEvent], t0: float, scale: float, ncols: int,
     prev_end, prev_key, shade = -1, None, 0
     for e in events:
         a, b = (e.start - t0) * scale, (e.end - t0) * scale
-        key = (e.op, slots.event(e))
+        key = (e.op, 0 if e.op in COLLECTIVE_KINDS else slots.event(e))  # touching reductions alternate shade
         if b - a >= 1.0:  # at least one column: a cell of its own
             c0, c1 = min(round(a), ncols), min(round(b), ncols)
             shade = 1 - shade if (c0 == prev_end and key == prev_key) else 0
@@ -154,6 +182,10 @@ def _legend(timeline: Timeline, width: int, plain: bool = False) -> list[Text]:
         if second:
             entries.append(("", None, f"{SECOND_STAGE_NAME}: "))
             entries += [(f" {kind} ", _style(kind, 1), " ") for kind in second]
+    if any(e.op in COLLECTIVE_KINDS for e in timeline.events):
+        swatch = reduce_label(3)
+        entries.append((swatch if plain else f" {swatch} ", None if plain else _style(COLLECTIVE_KINDS[0], 0),
+                        f" {REDUCE_NAME}; +x dp: exposed past compute  "))
     lines = [Text(no_wrap=True, overflow="crop")]
     for swatch, style, name in entries:
         if lines[-1].cell_len and lines[-1].cell_len + len(swatch) + len(name) > width:
@@ -176,6 +208,17 @@ def _metrics_line(summary: Summary) -> Text:
                 no_wrap=True, overflow="crop")
 
 
+def dp_sync_line(summary: Summary) -> Text | None:
+    """``exposed DP sync 3 (per rank: 3 0 0 3)``: the gradient reductions' time past each rank's compute."""
+    if not summary.dp_exposed:
+        return None
+    per = summary.dp_exposed
+    detail = " ".join(fmt_time(x) for x in per) if len(per) <= 16 else \
+        f"min {fmt_time(min(per))}, max {fmt_time(max(per))}"
+    return Text(f"exposed DP sync {fmt_time(summary.exposed_dp_sync)} (per rank: {detail}) · "
+                f"gradient reductions on the comm stream, not hidden by compute", no_wrap=True, overflow="crop")
+
+
 def _shown_ranks(num_ranks: int, max_ranks: int) -> tuple[list[int], int]:
     """Ranks to draw and the position of the 'n more ranks' line (-1 when every rank is drawn)."""
     if num_ranks <= max_ranks:
@@ -195,7 +238,7 @@ def plain_width(timeline: Timeline) -> int:
     durs = sorted(e.end - e.start for e in timeline.compute_events() if e.end > e.start)
     if not durs:
         return 80
-    span = max(e.end for e in timeline.compute_events()) - start_time(timeline)
+    span = step_span(timeline)
     ncols = math.ceil(PLAIN_COLUMNS_PER_OP * span / durs[len(durs) // 2])
     label_w = len(f"r{timeline.num_ranks - 1}") + 1
     return max(80, min(PLAIN_MAX_WIDTH, label_w + 2 + len(_SUFFIX) + ncols))
@@ -216,9 +259,10 @@ def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | 
     label_w = len(f"r{P - 1}") + 1
     ncols = max(MIN_COLUMNS, width - label_w - 2 - len(_SUFFIX))  # two bars around the time columns
     t0 = start_time(timeline)
-    span = max((e.end for e in timeline.compute_events()), default=t0) - t0
+    span = step_span(timeline)
     scale = ncols / span if span > 0 else 0.0
     rows = events_by_rank(timeline)
+    reduces = collective_by_rank(timeline)
     slots = StageSlots(timeline)
 
     if title is None:
@@ -243,7 +287,16 @@ def terminal_view(timeline: Timeline, *, width: int | None = None, title: str | 
         _append_cells(line, _row_cells(rows[r], t0, scale, ncols, slots, plain))
         line.append(f"│{pct[r]:6.1f}%{summary.peak_activations[r]:>6}")
         lines.append(line)
+        if any(reduces):
+            exposed = summary.dp_exposed[r] if summary.dp_exposed else 0.0
+            comm = Text(f"{'':<{label_w}}╎", no_wrap=True, overflow="crop")
+            _append_cells(comm, _row_cells(reduces[r], t0, scale, ncols, slots, plain))
+            comm.append(f"╎{'+' + fmt_time(exposed) + ' dp':>{len(_SUFFIX)}}")
+            lines.append(comm)
     lines.append(_axis(label_w, span, scale, ncols))
     lines.extend(_legend(timeline, width, plain))
     lines.append(_metrics_line(summary))
+    sync = dp_sync_line(summary)
+    if sync is not None:
+        lines.append(sync)
     return Group(*lines)

@@ -1,7 +1,8 @@
 """Chrome trace / Perfetto JSON: a process per rank, a slice per op, flow arrows between ranks.
 
 Open the file in ui.perfetto.dev or chrome://tracing. Thread 0 of each rank's process holds the
-compute ops (an FB unit is one slice), thread 1 the communication ops of measured runs. Every
+compute ops (an FB unit is one slice), thread 1 the communication ops of measured runs and the
+data-parallel gradient reductions (``REDUCE_GRAD R/s3``, one slice per stage reduced). Every
 dependency between ranks (what ``schedules.ops`` says an op waits for, made on another rank) is a
 flow arrow. Trace times are microseconds: measured timelines (seconds) are converted exactly;
 simulated ones, in cost units, use 1 unit = 1 ms, so ``ts = (start - t0) * 1000`` (unless their
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ..schedules.ops import makes, needs
 from ..schedules.timeline import Timeline, TimelineEvent
-from .metrics import event_ops, start_time
+from .metrics import COLLECTIVE_KINDS, event_ops, start_time
 from .style import cell_label, describe
 
 US_PER_SECOND = 1e6
@@ -68,7 +69,7 @@ def trace_events(timeline: Timeline, *, pid_base: int = 0, label: str | None = N
         args = {"chain": e.chain, "stage": e.stage, "mb": e.mb}
         if e.pair is not None:
             args["pair"] = {"op": e.pair[0], "chain": e.pair[1], "stage": e.pair[2], "mb": e.pair[3]}
-        name = f"{e.op} {cell_label(e)}" if e.lane == "compute" else f"{e.op} m{e.mb}"
+        name = f"{e.op} {cell_label(e)}" if e.lane == "compute" or e.op in COLLECTIVE_KINDS else f"{e.op} m{e.mb}"
         out.append({"name": name, "cat": e.op, "ph": "X", "pid": pid_base + e.rank,
                     "tid": COMPUTE_TID if e.lane == "compute" else COMM_TID,
                     "ts": (e.start - t0) * scale, "dur": (e.end - e.start) * scale,

@@ -62,3 +62,46 @@ def test_cli_plan_refuses_an_unknown_model_key(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"mt-dualpipe: error: model description {path} has unknown key(s) 'ffn_size'; accepted: ")
     assert "ffn_hidden_size (intermediate_size)" in err
+
+
+def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "deepseek-v3", "--gpus", "512", "--global-batch", "1024", "--pp", "16", "--ep", "8,32",
+            "--dtype", "fp8", "--schedules", "dualpipe,zbv", "--top", "3", "--gpu-memory", "141GB"]
+    assert main([*args, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if "schedule" in line and "mem GB" in line)
+    assert [c.strip() for c in header.strip("┃").split("┃")][-1] == "run"
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    assert len(rows) == 3 and all(line.rstrip("│ ").endswith("no: recompute") for line in rows)
+    assert "run no: the runtime cannot launch it yet — recompute 'selective' is not in the runtime yet" in text
+    data = json.loads(out.read_text())
+    for c in data["configurations"]:
+        launch = c["launch"]
+        assert set(launch) == {"pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute",
+                               "schedule_options", "micro_batch_size"}
+        assert launch["pp"] * launch["dp"] * launch["ep"] * launch["tp"] == 512
+        assert (launch["dp"] * launch["ep"], launch["schedule"], launch["microbatches"]) == \
+            (c["dp"], c["schedule"], c["num_microbatches"])
+        assert (launch["dp_mode"], launch["recompute"], c["runnable"]) == ("zero1", "selective", False)
+    # --runnable-only with a recompute the runtime has: every row runnable, all-reduce for --zero 0
+    assert main([*args, "--recompute", "none", "--zero", "0", "--runnable-only", "--json", str(out)]) in (0, 1)
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert all(c["runnable"] and c["launch"]["dp_mode"] == "allreduce" for c in data["configurations"]
+               + data["over_memory"])
+    assert "no: " not in text
+    # --runnable-only with selective recompute: nothing is offered, and the reason is said
+    assert main([*args, "--runnable-only"]) == 1
+    text = " ".join(capsys.readouterr().out.split())
+    assert "not runnable left out: see --recompute none" in text
+
+
+def test_cli_plan_help_documents_runnability(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--runnable-only rank only configurations the runtime can launch" in text
+    assert "today it runs recompute 'none' only, dp_mode allreduce (--zero 0) or zero1 (--zero 1), tp 1" in text

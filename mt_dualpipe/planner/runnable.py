@@ -1,0 +1,63 @@
+"""What the runtime can launch today, and the launch knobs of a planned configuration.
+
+The planner models more than the runtime runs: it estimates recompute (issue 14 adds it to the
+runtime) and could model tensor parallelism. A configuration is offered as *runnable* only when
+every knob it needs is one the runtime has; otherwise it carries the reasons, so ``mt-dualpipe
+plan`` marks it (or leaves it out with ``--runnable-only``) instead of recommending what cannot be
+launched. When the runtime gains a knob, widen the tuple here: nothing else needs to change.
+
+``launch(strategy)`` is the tuple a launcher needs, in the runtime's terms
+(``mt_dualpipe.parallel.init_parallel(pp, dp, ep, tp)`` and ``GradSync(mode=dp_mode)``): the
+planner counts data parallelism Megatron's way (its ``dp`` includes the expert-parallel ranks),
+the mesh counts full-model replicas, so ``launch["dp"] = strategy.dp // strategy.ep`` and
+``pp * dp * ep * tp`` is the GPU count (``parallel/mesh.py`` explains both conventions).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .estimate import Strategy
+
+RUNTIME_DP_MODES: tuple[str, ...] = ("allreduce", "zero1")
+"""``mt_dualpipe.parallel.MODES``: the data-parallel modes ``GradSync`` runs (a test keeps them equal)."""
+RUNTIME_RECOMPUTE: tuple[str, ...] = ("none",)
+"""Recompute policies the runtime's stages apply: none yet (issue 14 adds selective and full)."""
+RUNTIME_TP: tuple[int, ...] = (1,)
+"""Tensor-parallel sizes the launch path runs (the planner models tp = 1 only)."""
+
+
+def dp_mode(strategy: Strategy) -> str:
+    """The runtime's data-parallel mode for the strategy's ZeRO stage: ZeRO-1 shards the optimizer
+    state and reduce-scatters gradients ("zero1"); ZeRO-0 all-reduces them ("allreduce")."""
+    return "zero1" if strategy.zero >= 1 else "allreduce"
+
+
+def launch(strategy: Strategy) -> dict:
+    """The launchable tuple ``(pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute)`` in the
+    runtime's terms, plus the schedule's build options and the micro-batch size."""
+    from .estimate import schedule_options
+
+    return {"pp": strategy.pp, "dp": strategy.dp // strategy.ep, "ep": strategy.ep, "tp": 1,
+            "schedule": strategy.schedule, "microbatches": strategy.num_microbatches,
+            "dp_mode": dp_mode(strategy), "recompute": strategy.recompute,
+            "schedule_options": schedule_options(strategy), "micro_batch_size": strategy.micro_batch_size}
+
+
+def unrunnable_reasons(strategy: Strategy) -> list[str]:
+    """Why the runtime cannot launch ``strategy`` (empty when it can)."""
+    out = []
+    if strategy.recompute not in RUNTIME_RECOMPUTE:
+        out.append(f"recompute {strategy.recompute!r} is not in the runtime yet (issue 14; runnable: "
+                   f"{', '.join(RUNTIME_RECOMPUTE)})")
+    if dp_mode(strategy) not in RUNTIME_DP_MODES:
+        out.append(f"dp_mode {dp_mode(strategy)!r} is not run by the runtime (runnable: {', '.join(RUNTIME_DP_MODES)})")
+    return out
+
+
+def short_reason(reasons: list[str]) -> str:
+    """The table's cell: "yes", or the knobs that block a launch ("no: recompute")."""
+    if not reasons:
+        return "yes"
+    return "no: " + ", ".join(r.split()[0] for r in reasons)
