@@ -1,6 +1,9 @@
 """Train DeepSeek-V3 (tiny preset) with DualPipe on local CPU processes — the README's first command.
 
-    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, 1-2 minutes on 2 cores
+    python examples/deepseek_v3_repro.py                      # 2 ranks, DualPipe, 50 steps, about a minute
+    python examples/deepseek_v3_repro.py --corpus docs/ --tokenizer tokenizer.json   # real text, held-out loss
+    python examples/deepseek_v3_repro.py --save-pretrained ckpt/ && \
+        python examples/deepseek_v3_repro.py --from-pretrained ckpt/ --schedule zbv   # fine-tune a checkpoint
     python examples/deepseek_v3_repro.py --inject-nan 25      # watch a NaN get caught and rewound
     python examples/deepseek_v3_repro.py --ranks 2 --ep 2 --inject-error 5 --timeout 10   # an exception, rewound
     python examples/deepseek_v3_repro.py --checkpoint-dir ckpt/   # async checkpoints; rerun to resume
@@ -12,8 +15,12 @@ It spawns ``--ranks`` x ``--ep`` processes itself (gloo on 127.0.0.1), or runs a
 torchrun. With ``--ep E`` there are E data-parallel pipelines whose ranks at the same position
 shard that stage's routed experts and exchange tokens by all-to-all (overlapped with the other
 micro-batch's compute inside DualPipe's F&B units).
-Each rank builds the same seeded model, keeps only its stages, and trains with AdamW on a
-synthetic task (or ``--corpus FILE``, any local text, byte-level). Every step runs under
+Each rank builds the same seeded model (or reads only its own stages' tensors from a Hugging Face
+checkpoint, ``--from-pretrained``), keeps only its stages, and trains with AdamW on a synthetic task,
+or on local text (``--corpus FILES|DIR``: streamed, packed into sequences, every ``--val-every``-th
+held out; UTF-8 bytes or ``--tokenizer tokenizer.json``). The default layout balances a modelled
+cost per rank, then per stage (embedding, head, MTP and losses included); it is printed per stage.
+Every step runs under
 ``mt_dualpipe.resilience.Rewind``: a NaN/inf or an exception on any rank is agreed on by all ranks,
 which go back to the last snapshot (every ``--snapshot-every`` steps) and skip the batch. Every
 point-to-point and expert all-to-all wait is bounded by ``--timeout`` seconds, so a rank whose partner
@@ -21,8 +28,9 @@ failed mid-step stops waiting and joins the agreement; after an exception every 
 pipeline (and, with ``--ep`` > 1, the expert-parallel groups) on fresh process groups.
 A rich progress bar shows the loss, the MTP loss, the expert-load balance (max violation:
 max load / mean load − 1), tokens/s and the rewinds; the last step is timed per instruction, and
-the summary compares its measured bubble rate with the simulator's for the same schedule and the
-measured op costs.
+the summary compares its measured bubble rate with the simulator's for the same schedule, driven by
+that step's own per-stage, per-op-kind costs and hop latency, and says what the rest is (see
+``mt_dualpipe.visualize.measured``). With ``--corpus`` it reports the held-out loss before and after.
 """
 
 from __future__ import annotations
@@ -55,8 +63,16 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     sync_replicas,
     update_expert_bias,
 )
-from mt_dualpipe.integrations.deepseek_v3.data import TextCorpus, synthetic_batch  # noqa: E402
+from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers  # noqa: E402
+from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
+    LayoutCost,
+    balance,
+    layout_cost,
+    piece_costs,
+    stage_weights,
+)
+from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
 
 
@@ -66,16 +82,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size: --ranks x --ep processes; each pipeline rank's experts are sharded\n"
                         "over --ep data-parallel replicas and tokens travel by all-to-all (default 1)")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps, default 100")
+    p.add_argument("--steps", type=int, default=50, help="optimizer steps, default 50 (about a minute on 2 cores)")
     p.add_argument("--schedule", default="dualpipe", help="dualpipe (default), dualpipev, or any registered schedule")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch, default 4")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, default 64")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, default 3e-3")
     p.add_argument("--preset", default="tiny", help="model preset, default tiny")
-    p.add_argument("--layout", default=None, help="stage layout, e.g. 'Et*2|t*2mL' (default: balanced)")
-    p.add_argument("--corpus", default=None, help="train on this local text file instead of the synthetic task")
+    p.add_argument("--layout", default=None,
+                   help="stage layout, e.g. 'Et*2|t*2mL' (default: balanced by modelled cost per rank, then stage)")
+    p.add_argument("--corpus", nargs="+", default=None, metavar="FILE|DIR",
+                   help="train on local text (files and/or folders, streamed and packed) instead of the synthetic\n"
+                        "task; every --val-every-th packed sequence is held out for the validation loss")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer.json (or a folder with one), read with the tokenizers library; the model's\n"
+                        "vocabulary becomes the tokenizer's (default with --corpus: UTF-8 bytes)")
+    p.add_argument("--val-every", type=int, default=20, metavar="K",
+                   help="with --corpus: hold out every K-th packed sequence, default 20")
+    p.add_argument("--val-batches", type=int, default=2, metavar="N",
+                   help="with --corpus: held-out batches the validation loss averages, before and after training\n"
+                        "(default 2; 0: no validation)")
     p.add_argument("--fp8", action="store_true", help="FP8 linears (mt_dualpipe.integrations.fp8)")
+    p.add_argument("--from-pretrained", default=None, metavar="PATH",
+                   help="start from a Hugging Face-layout checkpoint folder (config.json, safetensors, index):\n"
+                        "each rank reads only its own stages' tensors; --preset is then ignored")
+    p.add_argument("--save-pretrained", default=None, metavar="PATH",
+                   help="at the end, write the trained model there as a Hugging Face-layout checkpoint\n"
+                        "(every pipeline rank writes its own stages' tensors; one index)")
     p.add_argument("--no-rewind", action="store_true", help="plain loop: no fault checks, snapshots or rewinds")
     p.add_argument("--snapshot-every", type=int, default=10, metavar="N",
                    help="in-memory snapshot (rewind target) every N steps, default 10")
@@ -113,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--timeout must be positive, got {args.timeout:g}")
     if args.checkpoint_dir and args.no_rewind:
         p.error("--checkpoint-dir is written by Rewind; drop --no-rewind")
+    if args.tokenizer and not args.corpus:
+        p.error("--tokenizer needs --corpus (the text it tokenizes)")
+    if args.val_every < 2 or args.val_batches < 0:
+        p.error(f"--val-every must be >= 2 and --val-batches >= 0, got {args.val_every} and {args.val_batches}")
     return args
 
 
@@ -129,6 +166,8 @@ class RankSetup:
     pp_rank: int
     fp8_backend: str | None   # backend_summary(): the one line saying which FP8 GEMM runs
     fp8_gemm: str | None      # its name: "scaled_mm" or "emulated"
+    split: LayoutCost         # the layout (blocks per stage) and its modelled stage / rank loads
+    data: PackedText | None   # --corpus: the packed, split text; None: the synthetic task
     last_balance: float = 0.0  # expert-load max violation of the last good step (set by the grad hook)
 
 
@@ -155,27 +194,36 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
     pp_group, ep_group = process_groups(world, args.ep, rank)
     pp_rank, world = rank // args.ep, args.ranks
 
-    config = DeepSeekV3Config.preset(args.preset, max_seq_len=max(args.seq_len, 64))
-    if args.corpus:
-        config = config.replace(vocab_size=max(config.vocab_size, 256))
+    tokenizer = load_tokenizer(args.tokenizer) if args.corpus else None
+    config = model_config(args, tokenizer)
     stages_per_rank = 2 if args.schedule in ("dualpipe", "dualpipev", "zbv", "interleaved-1f1b") else 1
     mbs = args.microbatches or 2 * world * (1 if args.schedule == "dualpipe" else stages_per_rank)
     sched = build_schedule(args.schedule, world, mbs)
-    torch.manual_seed(args.seed)
-    full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
-    mods = stages_for_rank(config, sched, pp_rank, args.layout, source=full, ep_group=ep_group)
-    del full
+    split = stage_split(config, sched, args.layout, args.seq_len)
+    data = None
+    if tokenizer is not None:
+        data = PackedText(args.corpus, args.seq_len, args.micro_batch_size * sched.num_microbatches,
+                          tokenizer=tokenizer, val_every=args.val_every, seed=args.seed)
+    if args.from_pretrained:  # only this rank's stages' tensors are read (and, with --ep, only its experts)
+        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), checkpoint=args.from_pretrained,
+                               ep_group=ep_group, fp8=args.fp8)
+    else:
+        torch.manual_seed(args.seed)
+        full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
+        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, ep_group=ep_group)
+        del full
     fp8_backend = fp8_gemm = None
     if args.fp8:
         try:
             from mt_dualpipe.integrations.fp8 import backend_summary, convert_to_fp8, resolve_gemm
         except ImportError as exc:
             raise SystemExit(f"--fp8 needs mt_dualpipe.integrations.fp8, which is not available here ({exc})") from exc
-        for m in mods:
-            convert_to_fp8(m)
+        if not args.from_pretrained:  # a checkpoint's stages were converted before loading
+            for m in mods:
+                convert_to_fp8(m)
         device = next(mods[0].parameters()).device
         fp8_backend, fp8_gemm = backend_summary(device), resolve_gemm(device)[0]
-    expert_parallel.set_timeout(args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
+    expert_parallel.set_timeout(mods, args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
     if args.schedule == "dualpipe":
         pipe = DualPipe(tuple(mods), process_group=pp_group, timeout=args.timeout)
     elif args.schedule == "dualpipev":
@@ -183,7 +231,43 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
     else:
         pipe = Pipeline(mods, sched, pp_group, timeout=args.timeout)
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
-    return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm)
+    return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm, split, data)
+
+
+def model_config(args: argparse.Namespace, tokenizer: Any) -> DeepSeekV3Config:
+    """The checkpoint's config (--from-pretrained), else the preset sized for the data: bytes need at least
+    256 entries, a tokenizer.json exactly its vocabulary."""
+    if args.from_pretrained:
+        config = DeepSeekV3Config.from_hf(args.from_pretrained)
+        need = 0 if tokenizer is None else tokenizer.vocab_size
+        if need > config.vocab_size:
+            raise SystemExit(f"the tokenizer has {need} tokens but the checkpoint {args.from_pretrained} embeds "
+                             f"{config.vocab_size}")
+        if args.seq_len > config.max_seq_len:
+            raise SystemExit(f"--seq-len {args.seq_len} exceeds the checkpoint's max_position_embeddings "
+                             f"{config.max_seq_len}")
+        return config
+    config = DeepSeekV3Config.preset(args.preset, max_seq_len=max(args.seq_len, 64))
+    if tokenizer is not None:
+        config = config.replace(vocab_size=tokenizer.vocab_size if args.tokenizer else max(config.vocab_size, 256))
+    return config
+
+
+def stage_split(config: DeepSeekV3Config, schedule: Any, layout: str | None, seq_len: int) -> LayoutCost:
+    """``--layout``, or the layout balanced by modelled cost for this schedule's placement (the heaviest
+    rank first, then the heaviest stage: embedding, head, MTP and losses weigh in), with its loads."""
+    if layout is None:
+        return balance(config, schedule.placement, seq_len)
+    counts = parse_layout(config, schedule.num_stages(0), layout)
+    return layout_cost(piece_costs(config, seq_len), counts, stage_weights(schedule.placement))
+
+
+def split_line(config: DeepSeekV3Config, split: LayoutCost) -> str:
+    """The per-stage and per-rank split of the modelled cost, in percent of the whole model."""
+    names = layout_string(config, len(split.counts), list(split.counts)).split("|")
+    stages = " · ".join(f"s{i} {n} {100 * c:.0f} %" for i, (n, c) in enumerate(zip(names, split.stages)))
+    ranks = " / ".join(f"{100 * c:.0f} %" for c in split.ranks)
+    return f"modelled cost per stage: {stages} · per rank: {ranks}"
 
 
 def layout_string(config: DeepSeekV3Config, num_stages: int, layout: str | None) -> str:
@@ -208,7 +292,7 @@ def start_line(args: argparse.Namespace, run: RankSetup, world: int) -> str:
     fault = f", NaN injected at step {args.inject_nan}" if args.inject_nan is not None else ""
     fault += f", exception injected at step {args.inject_error}" if args.inject_error is not None else ""
     rewind = "off" if args.no_rewind else f"snapshot every {args.snapshot_every} steps{fault}"
-    layout = layout_string(run.config, sched.num_stages(0), args.layout)
+    layout = layout_string(run.config, sched.num_stages(0), list(run.split.counts))
     return (f"{args.schedule} · {args.ranks} ranks{ep} · {sched.num_microbatches} micro-batches of "
             f"{args.micro_batch_size}x{args.seq_len} tokens · layout {layout} · "
             f"params/rank {per_pp} · rewind: {rewind}")
@@ -273,32 +357,65 @@ def make_stepper(args: argparse.Namespace, run: RankSetup, rank: int, world: int
                   grad_hook=grad_hook, rebuild=rebuild, faults=faults)
 
 
-def step_batch(args, config, corpus, position: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+def step_batch(args, run: RankSetup, position: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch at a data position for one data-parallel replica; the ranks of a pipeline draw the same
-    one (seeded by position and replica), so no data is sent."""
+    one (seeded by position and replica, or the same packed text batch), so no data is sent."""
+    if run.data is not None:
+        return run.data.train_batch(position * args.ep + replica)
     gen = torch.Generator().manual_seed((args.seed * 100003 + position) * 1009 + replica)
-    rows = args.micro_batch_size * args.num_mb
-    if corpus is not None:
-        return corpus.batch(rows, args.seq_len, gen)
-    return synthetic_batch(config.vocab_size, rows, args.seq_len, gen)
+    return synthetic_batch(run.config.vocab_size, args.micro_batch_size * args.num_mb, args.seq_len, gen)
+
+
+def pipeline_batch(run: RankSetup, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """This rank's part of a batch: the inputs of the chains starting here, the labels of those ending here
+    (each chain takes its own micro-batches)."""
+    sched = run.schedule
+    num_mb = sched.num_microbatches
+    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == run.pp_rank]
+    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == run.pp_rank]
+    mb_x, mb_y = x.tensor_split(num_mb), y.tensor_split(num_mb)
+    inputs = (torch.cat([mb_x[m] for m in sched.microbatches_of(first[0])]),) if first else ()
+    labels = (torch.cat([mb_y[m] for m in sched.microbatches_of(last[0])]),) if last else ()
+    return {"inputs": inputs, "labels": labels}
+
+
+def gathered_losses(mods: list, world: int, extra: Any = None) -> tuple[list, list]:
+    """Every rank's logged (main, [mtp]) losses of this step, and every rank's ``extra`` (collective)."""
+    logs = [entry for m in mods for entry in m.loss_log]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (logs, extra))
+    return [e for got, _ in everyone for e in got], [x for _, x in everyone]
+
+
+def validation_loss(args, run: RankSetup, pipeline: Any, rank: int, world: int) -> float | None:
+    """Mean main loss over ``--val-batches`` held-out batches, forward-only through the pipeline
+    (collective; None without --corpus). Evaluation forwards do not count expert loads."""
+    if run.data is None or not args.val_batches:
+        return None
+    criterion, total = criterion_for(run.mods), 0.0
+    recording, pipeline.record_timeline = pipeline.record_timeline, False
+    for i in range(args.val_batches):
+        for m in run.mods:
+            m.loss_log.clear()
+        batch = pipeline_batch(run, *run.data.val_batch(i * args.ep + rank % args.ep))
+        with torch.no_grad():
+            pipeline.step(*batch["inputs"], num_chunks=run.schedule.num_microbatches, criterion=criterion,
+                          labels=batch["labels"])
+        logs, _ = gathered_losses(run.mods, world)
+        total += sum(e[0] for e in logs) / len(logs)
+    pipeline.record_timeline = recording
+    return total / args.val_batches
 
 
 def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on_fault=None) -> dict:
     """The training loop; returns the history of the good steps (a rewind drops the steps it undid)."""
-    config, sched, mods = run.config, run.schedule, run.mods
-    corpus = TextCorpus(args.corpus) if args.corpus else None
-    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == run.pp_rank]
-    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == run.pp_rank]
+    mods = run.mods
     tokens_per_step = args.num_mb * args.micro_batch_size * args.seq_len * args.ep
     start = stepper.step_index  # > 0 after resuming from a checkpoint
     history: dict = {"first_step": start, "loss": [], "mtp_loss": [], "balance": [], "tokens_per_s": []}
 
     def batch_fn(position: int) -> dict:
-        x, y = step_batch(args, config, corpus, position, rank % args.ep)
-        mb_x, mb_y = x.tensor_split(args.num_mb), y.tensor_split(args.num_mb)
-        inputs = (torch.cat([mb_x[m] for m in sched.microbatches_of(first[0])]),) if first else ()
-        labels = (torch.cat([mb_y[m] for m in sched.microbatches_of(last[0])]),) if last else ()
-        return {"inputs": inputs, "labels": labels}
+        return pipeline_batch(run, *step_batch(args, run, position, rank % args.ep))
 
     while stepper.step_index < args.steps:
         stepper.pipeline.record_timeline = stepper.step_index == args.steps - 1
@@ -315,15 +432,12 @@ def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on
             if on_fault is not None:
                 on_fault(result.fault, stepper, history)
             continue
-        logs = [entry for m in mods for entry in m.loss_log]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, (logs, run.last_balance))
-        all_logs = [e for got, _ in everyone for e in got]
+        all_logs, balances = gathered_losses(mods, world, run.last_balance)
         main = sum(e[0] for e in all_logs) / len(all_logs)
         mtp = sum(sum(e[1]) / len(e[1]) for e in all_logs) / len(all_logs) if all_logs[0][1] else 0.0
         history["loss"].append(main)
         history["mtp_loss"].append(mtp)
-        history["balance"].append(sum(b for _, b in everyone) / world)
+        history["balance"].append(sum(balances) / world)
         history["tokens_per_s"].append(tokens_per_step / elapsed)
         if on_step is not None:
             on_step(result.step, history, stepper)
@@ -354,25 +468,30 @@ def fault_record(event) -> dict:
 
 
 def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
-    from mt_dualpipe.schedules.simulate import simulate
-    from mt_dualpipe.visualize.metrics import Summary, costs_from_timeline
+    from mt_dualpipe.visualize.measured import compare_bubble
 
     tl, sched = history["timeline"], run.schedule
-    measured = Summary.from_timeline(tl).bubble_rate if tl is not None else None
-    simulated = simulate(sched, costs_from_timeline(tl)).bubble_rate if tl is not None else None
+    bubble = compare_bubble(tl, sched).to_dict() if tl is not None else {"measured": None, "simulated": None}
     if tl is not None and args.timeline:
         Path(args.timeline).write_text(tl.to_json(indent=1))
     steady = history["tokens_per_s"][1:] or history["tokens_per_s"]
     return {
         "schedule": args.schedule, "ranks": args.ranks, "ep": args.ep, "steps": args.steps, "microbatches": args.num_mb,
         "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "preset": args.preset,
-        "layout": layout_string(run.config, sched.num_stages(0), args.layout),
-        "fp8": args.fp8, "fp8_backend": run.fp8_backend, "fp8_gemm": run.fp8_gemm, "data": args.corpus or "synthetic",
+        "layout": layout_string(run.config, sched.num_stages(0), list(run.split.counts)),
+        "modelled_cost_per_stage": list(run.split.stages), "modelled_cost_per_rank": list(run.split.ranks),
+        "fp8": args.fp8, "fp8_backend": run.fp8_backend, "fp8_gemm": run.fp8_gemm,
+        "data": "synthetic" if run.data is None else {
+            "corpus": args.corpus, "files": len(run.data.files), "tokenizer": run.data.tokenizer.name,
+            "vocab_size": run.config.vocab_size, "train_sequences": run.data.num_train,
+            "held_out_sequences": run.data.num_val, "val_every": args.val_every},
+        "val_loss": history.get("val_loss"),
         "first_step": history["first_step"],
         "loss": history["loss"], "mtp_loss": history["mtp_loss"], "expert_load_max_violation": history["balance"],
         "tokens_per_s": sum(steady) / len(steady) if steady else None,
-        "bubble_rate": {"measured": measured, "simulated": simulated},
+        "bubble_rate": bubble,
         "rewind": not args.no_rewind, "snapshot_every": None if args.no_rewind else args.snapshot_every,
+        "from_pretrained": args.from_pretrained, "save_pretrained": args.save_pretrained,
         "checkpoint_dir": args.checkpoint_dir, "checkpoint_mode": stepper.checkpoint_mode,
         "checkpoints_written": stepper.counters["checkpoints"], "resumed_from": stepper.resumed_from,
         "rewinds": stepper.counters["rewinds"], "skipped_batches": sorted(stepper.skipped),
@@ -396,6 +515,9 @@ def report(summary: dict) -> None:
         t.add_row(f"MTP loss ({first} → last step)", f"{summary['mtp_loss'][0]:.3f} → {summary['mtp_loss'][-1]:.3f}")
         t.add_row("expert load max violation (last)", f"{summary['expert_load_max_violation'][-1]:.3f}")
         t.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
+    val = summary["val_loss"]
+    if val and val[0] is not None:
+        t.add_row("validation loss (before → after)", f"{val[0]:.3f} → {val[1]:.3f}")
     bub = summary["bubble_rate"]
     if bub["measured"] is not None:
         t.add_row("bubble rate measured / simulated", f"{100 * bub['measured']:.1f} % / {100 * bub['simulated']:.1f} %")
@@ -412,6 +534,8 @@ def report(summary: dict) -> None:
     if summary["fp8_gemm"]:
         t.add_row("fp8 GEMM", summary["fp8_gemm"])
     Console().print(t)
+    if bub["measured"] is not None:
+        print(f"bubble: {bub['explanation']}")
 
 
 # ----- process entry ----------------------------------------------------------------------------------
@@ -468,6 +592,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         stepper = make_stepper(args, run, rank, world, grad_hook_for(run))
         if rank == 0:
             print(line)
+            print(split_line(run.config, run.split))
             if run.fp8_backend:
                 print(run.fp8_backend)
             if stepper.resumed_from is not None:
@@ -477,14 +602,22 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         if progress is not None:
             progress.update(progress.task_ids[0], completed=stepper.step_index)
             progress.start()
+        before = validation_loss(args, run, stepper.pipeline, rank, world)
         try:
             history = train(args, run, stepper, rank, world, on_step, on_fault)
         finally:
             if progress is not None:
                 progress.stop()
+        history["val_loss"] = [before, validation_loss(args, run, stepper.pipeline, rank, world)]
+        if args.save_pretrained:  # collective: each rank writes its stages' tensors, rank 0 the index
+            from mt_dualpipe.integrations.deepseek_v3 import save_pipeline_checkpoint
+
+            save_pipeline_checkpoint(run.mods, args.save_pretrained, group=dist.group.WORLD)
         if rank == 0:
             summary = summarize(args, run, stepper, history)
             report(summary)
+            if args.save_pretrained:
+                print(f"checkpoint written to {args.save_pretrained} (Hugging Face layout)")
             if args.summary:
                 Path(args.summary).write_text(json.dumps(summary, indent=1))
                 print(f"summary written to {args.summary}")

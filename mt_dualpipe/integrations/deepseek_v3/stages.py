@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
-from .balance import balanced_layout
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .mla import RMSNorm
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, deferred_init, init_weights, language_model_losses
 from .overlap import CaptureSlot, Steps, Tape, backward_side, drive, interleave, seal
+from .stage_balance import balanced_layout
 
 
 def parse_layout(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None) -> list[int]:
@@ -266,7 +266,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
                     ) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
-    ``layout`` None: ``balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)."""
+    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)."""
     num_stages = schedule.num_stages(0)
     if layout is None:
         layout = balanced_layout(config, schedule.placement)

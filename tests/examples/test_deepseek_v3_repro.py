@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer
+from tests.helpers.text import train_tokenizer, write_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deepseek_v3_repro.py"
 TINY = ["--ranks", "2", "--micro-batch-size", "1", "--seq-len", "16", "--no-progress"]
 
@@ -41,7 +47,10 @@ def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
     data, out = run_example("--steps", "3", "--no-rewind", "--fp8", "--timeline", str(timeline),
                             summary=tmp_path / "s.json")
     assert data["schedule"] == "dualpipe" and data["ranks"] == 2 and data["microbatches"] == 4
-    assert data["layout"] == "Et*2|t*2mL" and data["first_step"] == 0
+    # DualPipe ranks carry equal loads whatever the layout; the balanced default then evens the stages:
+    # three blocks before the last stage's block + head + MTP + losses, not two
+    assert data["layout"] == "Et*3|tmL" and data["first_step"] == 0
+    assert data["modelled_cost_per_rank"] == pytest.approx([0.5, 0.5])
     assert len(data["loss"]) == len(data["mtp_loss"]) == len(data["expert_load_max_violation"]) == 3
     assert all(2.0 < v < 10.0 for v in data["loss"] + data["mtp_loss"])
     assert all(v >= 0.0 for v in data["expert_load_max_violation"])
@@ -54,12 +63,22 @@ def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
     assert data["fp8_gemm"] in ("emulated", "scaled_mm")
     assert out.count("fp8 backend on cpu: ") == 1
     # the start line: schedule, ranks, micro-batches, layout, parameters per rank
-    first = out.splitlines()[0]
-    assert first.startswith("dualpipe · 2 ranks · 4 micro-batches of 1x16 tokens · layout Et*2|t*2mL · params/rank ")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("dualpipe · 2 ranks · 4 micro-batches of 1x16 tokens · layout Et*3|tmL · params/rank ")
     assert first.endswith("rewind: off")
+    s0, s1 = (f"{100 * c:.0f} %" for c in data["modelled_cost_per_stage"])
+    assert second == f"modelled cost per stage: s0 Et*3 {s0} · s1 tmL {s1} · per rank: 50 % / 50 %"
     events = json.loads(timeline.read_text())["events"]
     assert {e["op"] for e in events} >= {"F", "FB"}  # DualPipe ran overlapped F&B units
     assert "bubble rate measured / simulated" in out
+    # the simulation uses the run's per-stage costs and hop latency; the rest of the measured bubble is named
+    bub = data["bubble_rate"]
+    assert bub["hop_latency_s"] >= 0.0 and len(bub["stage_costs_s"]["f"]) == 2
+    assert bub["simulated"] >= bub["simulated_compute_only"]
+    parts = bub["simulated_compute_only"] + bub["communication"] + bub["op_time_variance"] + bub["runtime_overhead"]
+    assert parts == pytest.approx(bub["measured"])
+    assert f"bubble: {bub['explanation']}" in out
+    assert data["data"] == "synthetic" and data["val_loss"] == [None, None]
 
 
 def test_rerun_with_checkpoint_dir_resumes(resumed):
@@ -76,7 +95,7 @@ def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
     (fault,) = data["faults"]
     assert (fault["step"], fault["position"], fault["rewound_to"], fault["skipped"]) == (4, 4, 3, True)
     assert fault["kind"] == "nonfinite_loss" and fault["ranks"] == [0, 1]
-    assert "step 4: nonfinite loss" in out and "rewound to step 3, batch 4 skipped" in out
+    assert "step 4: non-finite loss" in out and "rewound to step 3, batch 4 skipped" in out
     assert "rewinds / skipped batches" in out
     assert len(data["loss"]) == 5  # the rewound step 3 appears once: the history was rolled back with it
     # steps 0-3 (3 replayed after the rewind) are bit-identical to the clean runs (the resumed one included);
@@ -104,6 +123,53 @@ def test_inject_error_with_expert_parallelism_rebuilds_and_rewinds(tmp_path):
     assert len(data["loss"]) == 5 and all(2.0 < v < 10.0 for v in data["loss"])
 
 
+def test_real_text_with_a_bpe_tokenizer_reports_held_out_loss(tmp_path):
+    """--corpus FOLDER --tokenizer tokenizer.json on ZB-V: the model takes the tokenizer's vocabulary, trains
+    on packed text, and the held-out loss (forward-only pipeline steps) starts near ln V and falls."""
+    files = write_corpus(tmp_path / "corpus", files=2, lines=150)
+    tok = train_tokenizer(files, tmp_path / "tok" / "tokenizer.json")
+    data, out = run_example("--schedule", "zbv", "--steps", "4", "--no-rewind", "--corpus", str(tmp_path / "corpus"),
+                            "--tokenizer", str(tok.parent), "--val-every", "10", summary=tmp_path / "s.json")
+    packed = PackedText(files, 16, 8, tokenizer=load_tokenizer(tok), val_every=10)
+    assert data["data"] == {"corpus": [str(tmp_path / "corpus")], "files": 2, "tokenizer": str(tok), "vocab_size": 300,
+                            "train_sequences": packed.num_train, "held_out_sequences": packed.num_val,
+                            "val_every": 10}
+    assert data["config"]["vocab_size"] == 300
+    before, after = data["val_loss"]
+    assert abs(before - math.log(300)) < 0.3 and after < before - 0.5
+    assert re.search(rf"validation loss \(before → after\) +│ +{before:.3f} → {after:.3f}", out)
+    # ZB-V's balanced default: rank 0 no longer holds the embedding, the head and MTP on top of two blocks
+    assert data["layout"] != "Et|t|t|tmL" and max(data["modelled_cost_per_rank"]) < 0.56
+
+
+def test_save_pretrained_then_fine_tune_from_it(tmp_path):
+    """--save-pretrained writes a Hugging Face checkpoint from both pipeline ranks; --from-pretrained starts
+    from it: the fine-tuning run's first loss equals the single-process model loaded from the same folder on
+    the same batch (ZB-V: each rank loads its own two stages only)."""
+    from types import SimpleNamespace
+
+    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model
+
+    ckpt = tmp_path / "ckpt"
+    first, out = run_example("--steps", "3", "--no-rewind", "--save-pretrained", str(ckpt), summary=tmp_path / "a.json")
+    assert f"checkpoint written to {ckpt} (Hugging Face layout)" in out and first["save_pretrained"] == str(ckpt)
+    assert (ckpt / "config.json").is_file() and (ckpt / "model.safetensors.index.json").is_file()
+    tuned, _ = run_example("--schedule", "zbv", "--steps", "1", "--no-rewind", "--from-pretrained", str(ckpt),
+                           summary=tmp_path / "b.json")
+    assert tuned["from_pretrained"] == str(ckpt)
+    loaded = {k: v for k, v in tuned["config"].items() if k != "hf_extra"}  # hf_extra: config.json's other keys
+    assert loaded == {k: v for k, v in first["config"].items() if k != "hf_extra"}
+    model = DeepSeekV3Model.from_pretrained(ckpt)
+    example = _example_module()
+    args = SimpleNamespace(seed=0, ep=1, micro_batch_size=1, seq_len=16, num_mb=tuned["microbatches"])
+    x, y = example.step_batch(args, SimpleNamespace(data=None, config=model.config), 0, 0)
+    with torch.no_grad():
+        want = sum(float(model.losses(model.hidden(xm), ym).main)
+                   for xm, ym in zip(x.tensor_split(args.num_mb), y.tensor_split(args.num_mb))) / args.num_mb
+    assert tuned["loss"][0] == pytest.approx(want, rel=1e-5)
+    assert want < first["loss"][0] - 0.01  # the checkpoint holds the trained weights, not the seed's
+
+
 def _example_module():
     spec = importlib.util.spec_from_file_location("deepseek_v3_repro", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -120,6 +186,8 @@ def _example_module():
     (["--timeout", "0"], "--timeout must be positive, got 0"),
     (["--snapshot-every", "0"], "--snapshot-every must be >= 1, got 0"),
     (["--checkpoint-dir", "x", "--no-rewind"], "--checkpoint-dir is written by Rewind; drop --no-rewind"),
+    (["--tokenizer", "tok.json"], "--tokenizer needs --corpus (the text it tokenizes)"),
+    (["--corpus", "x", "--val-every", "1"], "--val-every must be >= 2 and --val-batches >= 0, got 1 and 2"),
 ])
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
