@@ -21,13 +21,19 @@ from mt_dualpipe.schedules import (
 )
 from mt_dualpipe.schedules.auto import (
     HAND_SCHEDULES,
+    MOVES,
+    Choice,
+    Layout,
     Policy,
-    _Layout,
     evaluate,
     list_schedule,
     lower_bound,
-    make_layout,
+    policies,
 )
+from mt_dualpipe.schedules.auto.bound import unpaired_bound, work_bound
+from mt_dualpipe.schedules.auto.local import FB_MOVES, neighbour, sink_ws, split_backward, waits_on_later
+from mt_dualpipe.schedules.ir import FB, Op
+from mt_dualpipe.schedules.ops import OpKind, OpTable
 from mt_dualpipe.schedules.simulate import run_schedule
 
 FAST = dict(time_budget=None, iterations=15)
@@ -141,43 +147,136 @@ def test_uniform_linear_reaches_the_lower_bound():
 
 
 def test_lower_bound_values():
-    place, chains = make_layout("linear", 4, 8)
-    assert lower_bound(place, chains, Costs(1, 1, 1)) == 27.0  # last rank: 3 forwards to wait + 24 of work
-    assert lower_bound(place, chains, Costs(1, 1, 1, comm=0.5)) == 28.5
-    assert lower_bound(place, chains, Costs(1, 1, 1, a2a_f=1, a2a_b=1)) == 46.0  # 3 x (F + a2a) + 8 x 5
+    linear = Layout.named("linear", 4, 8)
+    assert lower_bound(linear, Costs(1, 1, 1)) == 27.0  # last rank: 3 forwards to wait + 24 of work
+    assert lower_bound(linear, Costs(1, 1, 1, comm=0.5)) == 28.5
+    assert lower_bound(linear, Costs(1, 1, 1, a2a_f=1, a2a_b=1)) == 46.0  # 3 x (F + a2a) + 8 x 5
     assert simulate(build_schedule("zb-h2", 4, 8), Costs(1, 1, 1, a2a_f=1, a2a_b=1)).makespan == 46.0  # tight
-    place, chains = make_layout("dual", 8, 24)
-    assert lower_bound(place, chains, Costs(1, 1, 1)) == 75.0  # 72 of work + a 3-forward start-up
+    assert lower_bound(Layout.named("dual", 8, 24), Costs(1, 1, 1)) == 75.0  # 72 of work + a 3-forward start-up
 
 
-def test_evaluator_matches_simulator():
+def test_unpaired_f_bound():
+    """V, P=2, M=4, F=B=W=1 with exposed all-to-all 1 (lone F = lone B = 2, FB(F+B) = 2).
+
+    Rank 1 (stages 1, 2): its first B can start at 10 (F0..F3 lone: 8, then B3 hidden in an FB: 2);
+    before it only lone F's run, at least 2 (stages 1 and 2 of micro-batch 0), so with k of them
+    it needs max(10 - 2k, 2) + 8 x 5 - (8 - k) x 2 >= 34 (k = 2, 3, 4). Pairing everything
+    would claim 26.
+    """
+    lay, costs = Layout.named("v", 2, 4), Costs(1, 1, 1, a2a_f=1, a2a_b=1)
+    assert work_bound(lay, costs) == 26.0
+    assert unpaired_bound(lay, costs) == 34.0 == lower_bound(lay, costs)
+    assert unpaired_bound(Layout.named("linear", 4, 8), costs) == 0.0  # one stage per rank: nothing pairs
+    assert unpaired_bound(lay, Costs(1, 1, 1)) == work_bound(lay, Costs(1, 1, 1)) == 25.0  # pairs save nothing
+
+
+@pytest.mark.parametrize("name,placement", [("dualpipe", "dual"), ("dualpipev", "v"), ("zbv", "v"),
+                                            ("zb-h1", "linear")])
+def test_split_backward_is_never_worse(name, placement):
+    """FB(F+BW) -> FB(F+B), W and BW -> B, W: same rank time and memory, gradients out one W sooner."""
+    sched = build_schedule(name, 4, 12)
+    costs = Costs([1.0, 1.2, 0.8, 1.5] * (2 if placement == "v" else 1), 1, 0.7, a2a_f=0.8, a2a_b=0.8, comm=0.1)
+    split = Schedule("x", 4, 12, sched.placement, sched.microbatch_chain, split_backward(sched.ranks))
+    before, after = simulate(sched, costs), simulate(split, costs)
+    assert after.makespan <= before.makespan + 1e-9
+    assert after.peak_activations == before.peak_activations
+    assert not any(p.kind == OpKind.BW for ops in split.ranks for item in ops
+                   for p in (item.parts() if type(item) is FB else (item,)))
+    validate(split)
+
+
+def test_fb_moves_and_w_sinking_keep_the_ops():
+    layout = Layout.named("dual", 4, 8)
+    costs = Costs(1, 1, 1, a2a_f=1, a2a_b=1)
+    ranks = split_backward(build_schedule("dualpipe", 4, 8).ranks)
+
+    def plain(ops):
+        return sorted(p for item in ops for p in (item.parts() if type(item) is FB else (item,)))
+
+    rng = random.Random(2)
+    for _ in range(200):
+        r = rng.randrange(4)
+        cand = neighbour(ranks, rng, r, 6, FB_MOVES)
+        if cand is not None:
+            assert plain(cand[r]) == plain(ranks[r])
+            assert all(cand[x] is ranks[x] for x in range(4) if x != r)  # a move changes one rank
+    sunk, makespan = sink_ws(layout, costs, [5] * 4, ranks)
+    res = simulate(Schedule("x", 4, 8, layout.placement, layout.microbatch_chain, sunk), costs)
+    assert res.makespan == makespan <= simulate(build_schedule("dualpipe", 4, 8), costs).makespan
+    assert max(res.peak_activations) <= 5 and [plain(o) for o in sunk] == [plain(o) for o in ranks]
+
+
+def test_layout_comes_from_placements():
+    lay = Layout.named("dual", 4, 7)
+    assert lay.placement == ((0, 1, 2, 3), (3, 2, 1, 0)) and lay.microbatch_chain == (0,) * 4 + (1,) * 3
+    assert lay.local[0] == [(0, 0), (1, 3)] and lay.min_limit == 1
+    assert Layout.named("v", 4, 8).min_limit == 2  # a V visits each rank twice
+
+
+def test_list_schedule_runs_under_the_simulator():
+    """Walks with reservation (some noisy) never get stuck: complete orders the simulator runs within the limit."""
     rng = random.Random(1)
     for placement in ("linear", "v", "dual"):
         P, M = 4, 8
-        place, chains = make_layout(placement, P, M)
-        layout = _Layout(place, chains, P)
+        layout = Layout.named(placement, P, M)
         S = layout.S
-        for trial in range(6):
-            costs = Costs([rng.uniform(0.2, 2) for _ in range(S)], [rng.uniform(0.2, 2) for _ in range(S)],
-                          [rng.uniform(0.2, 2) for _ in range(S)], comm=rng.choice([0.0, 0.3]),
-                          a2a_f=rng.choice([0.0, 0.7]), a2a_b=0.2)
-            sc = costs.per_stage(S)
-            pol = Policy(b_first=bool(trial % 2), split=trial % 3 != 0, pair=placement != "linear",
-                         reserve=True, deep_first=trial < 3)
-            ranks = list_schedule(layout, sc, [2 * S] * P, pol, random.Random(trial), 0.2)
+        costs = Costs([rng.uniform(0.2, 2) for _ in range(S)], [rng.uniform(0.2, 2) for _ in range(S)],
+                      [rng.uniform(0.2, 2) for _ in range(S)], comm=0.3, a2a_f=0.7, a2a_b=0.2)
+        sc = costs.per_stage(S)
+        limit = 2 * layout.min_limit + 1
+        for i, pol in enumerate([p for p in policies(placement, sc) if p.reserve][::3]):
+            ranks = list_schedule(layout, sc, [limit] * P, pol, random.Random(i), 0.2 * (i % 2))
             assert ranks is not None
-            makespan, ends, peaks = evaluate(layout, sc, ranks)
-            ref = run_schedule(Schedule("x", P, M, place, chains, ranks), costs, record=False)
-            assert makespan == pytest.approx(ref.makespan)
-            assert peaks == ref.peak_activations
+            res = run_schedule(Schedule("x", P, M, layout.placement, layout.microbatch_chain, ranks), costs,
+                               record=False)
+            assert max(res.peak_activations) <= limit
+            kinds = {p.kind for ops in ranks for item in ops for p in (item.parts() if type(item) is FB else (item,))}
+            assert (OpKind.W in kinds) == pol.split and (OpKind.BW in kinds) != pol.split
+            assert evaluate(layout, costs, ranks) == (res.makespan, res.rank_end, res.peak_activations)
 
 
-def test_evaluator_detects_deadlock():
-    place, chains = make_layout("linear", 2, 1)
-    layout = _Layout(place, chains, 2)
-    from mt_dualpipe.schedules.ir import Op
+def test_pairing_policy_makes_fb_units():
+    layout = Layout.named("dual", 4, 8)
+    sc = Costs(1, 1, 1, a2a_f=1, a2a_b=1).per_stage(layout.S)
+    ranks = list_schedule(layout, sc, [8] * 4, Policy(pair=True))
+    units = [(r, item) for r, ops in enumerate(ranks) for item in ops if type(item) is FB]
+    assert units
+    for r, fb in units:  # an F and a B of two different stages of the rank
+        assert fb.f.kind == OpKind.F and fb.b.kind == OpKind.B and fb.f[1:3] != fb.b[1:3]
+        assert layout.placement[fb.f.chain][fb.f.stage] == r == layout.placement[fb.b.chain][fb.b.stage]
+    assert not any(type(item) is FB for ops in list_schedule(layout, sc, [8] * 4, Policy()) for item in ops)
+    assert Choice(OpKind.FB, (0, 0, 1), (0, 7, 0)).b == (0, 7, 0)
+
+
+def test_moves_are_named_and_sum_to_one():
+    assert [name for name, _, _ in MOVES] == ["shift", "pair", "unpair", "split_bw", "swap"]
+    assert [name for name, _, _ in FB_MOVES] == ["shift", "pair", "pair_late", "unpair", "swap_fb_b", "sink_w", "swap"]
+    assert sum(p for _, p, _ in MOVES) == pytest.approx(1.0) == sum(p for _, p, _ in FB_MOVES)
+
+
+def test_same_rank_deadlock_check_is_exact():
+    """``waits_on_later`` flags a move only when the simulator would deadlock on it."""
+    sched = build_schedule("zbv", 2, 4)
+    layout = Layout.named("v", 2, 4)
+    table = OpTable(layout.placement, layout.M)
+    rng = random.Random(0)
+    ranks = [list(ops) for ops in sched.ranks]
+    flagged = 0
+    for _ in range(400):
+        r = rng.randrange(2)
+        cand = neighbour(ranks, rng, r, 6)
+        if cand is None:
+            continue
+        if waits_on_later(table, r, cand[r], 0, len(cand[r]) - 1):
+            flagged += 1
+            assert evaluate(layout, Costs(), cand) is None
+    assert flagged > 20
+
+
+def test_evaluate_detects_deadlock():
+    layout = Layout.named("linear", 2, 1)
     ranks = [[Op("BW", 0, 0, 0), Op("F", 0, 0, 0)], [Op("F", 0, 1, 0), Op("BW", 0, 1, 0)]]
-    assert evaluate(layout, Costs().per_stage(2), ranks) is None
+    assert evaluate(layout, Costs(), ranks) is None
 
 
 @pytest.mark.parametrize("kwargs,message", [

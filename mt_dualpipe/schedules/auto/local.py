@@ -1,0 +1,325 @@
+"""Local search: hill climbing on per-rank op orders, scored by the one simulator (``run_schedule``).
+
+A move changes one rank's order; it is kept when (makespan, sum of rank end times) does not grow
+and every rank stays within its activation limit. Moves are drawn with the probabilities of
+``MOVES`` (or ``FB_MOVES`` in the FB polish); ranks that finish last (they set the makespan) are
+picked half of the time. A move that makes an op wait for one after it on the same rank is
+rejected without simulating (``waits_on_later``, exact: such an order always deadlocks).
+
+Order transforms used around it: ``split_backward`` (every BW as B then W: never worse),
+``sink_ws`` (W's to the end of their rank where that does not hurt) and ``in_microbatch_order``
+(what the exact backend's symmetry breaking needs of its hint).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from itertools import accumulate
+
+from ..costs import Costs
+from ..errors import ScheduleError
+from ..ir import FB, ComputeItem, Op, Schedule
+from ..ops import OpKind, OpTable, parts
+from ..simulate import run_schedule
+from .layout import Layout
+
+Ranks = list[list[ComputeItem]]
+Evaluation = tuple[float, list[float], list[int]]  # makespan, per-rank end times, per-rank peaks
+
+
+def evaluate(layout: Layout, costs: Costs, ranks: Ranks) -> Evaluation | None:
+    """(makespan, per-rank end times, per-rank peak activations) by ``run_schedule``; None on deadlock."""
+    sched = Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
+    try:
+        res = run_schedule(sched, costs, record=False)
+    except ScheduleError:
+        return None
+    return res.makespan, res.rank_end, res.peak_activations
+
+
+# ----- moves: each takes (rank's ops, index, rng, window) and returns a new order or None --------
+def _shift(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Move one item a few places."""
+    j = min(len(ops) - 1, max(0, i + rng.randint(-window, window)))
+    if j == i:
+        return None
+    new = list(ops)
+    new.insert(j, new.pop(i))
+    return new
+
+
+def _pair(ops: list[ComputeItem], i: int, rng: random.Random, window: int,
+          late: bool = False) -> list[ComputeItem] | None:
+    """Pair a lone F with a nearby lone B/BW of another stage (or the reverse) into an FB unit.
+
+    The unit takes the earlier op's place, or with ``late`` the later one's (what a held-back F
+    needs when its partner's inputs come from ops in between).
+    """
+    item = ops[i]
+    if type(item) is FB:
+        return None
+    if item.kind == OpKind.F:
+        want: tuple[OpKind, ...] = (OpKind.B, OpKind.BW)
+    elif item.kind in (OpKind.B, OpKind.BW):
+        want = (OpKind.F,)
+    else:
+        return None
+    js = [j for j in range(max(0, i - window), min(len(ops), i + window + 1))
+          if j != i and type(ops[j]) is Op and ops[j].kind in want
+          and (ops[j].chain, ops[j].stage) != (item.chain, item.stage)]
+    if not js:
+        return None
+    j = rng.choice(js)
+    f, b = (item, ops[j]) if item.kind == OpKind.F else (ops[j], item)
+    new = list(ops)
+    keep, drop = (max(i, j), min(i, j)) if late else (min(i, j), max(i, j))
+    new[keep] = FB(f, b)
+    del new[drop]
+    return new
+
+
+def _pair_late(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """``_pair`` with the unit at the later op's place."""
+    return _pair(ops, i, rng, window, late=True)
+
+
+def _unpair(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Split an FB unit into its two halves, in either order."""
+    item = ops[i]
+    if type(item) is not FB:
+        return None
+    halves = [item.f, item.b] if rng.random() < 0.5 else [item.b, item.f]
+    return ops[:i] + halves + ops[i + 1:]
+
+
+def _split_bw(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """A lone BW becomes B then W; a W merges back into its B as one BW."""
+    item = ops[i]
+    if type(item) is not Op:
+        return None
+    new = list(ops)
+    if item.kind == OpKind.BW:
+        new[i] = Op(OpKind.B, item.chain, item.stage, item.mb)
+        new.insert(i + 1, Op(OpKind.W, item.chain, item.stage, item.mb))
+        return new
+    if item.kind != OpKind.W:
+        return None
+    j = next((k for k in range(i - 1, -1, -1) if type(ops[k]) is Op and ops[k].kind == OpKind.B
+              and ops[k][1:] == item[1:]), None)
+    if j is None:
+        return None
+    new[j] = Op(OpKind.BW, item.chain, item.stage, item.mb)
+    del new[i]
+    return new
+
+
+def _swap(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Swap an item with the next one."""
+    if i + 1 >= len(ops):
+        return None
+    new = list(ops)
+    new[i], new[i + 1] = new[i + 1], new[i]
+    return new
+
+
+def _sink_w(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Push a W later, up to three windows: the solver's schedules delay W's to the cool-down."""
+    if type(ops[i]) is not Op or ops[i].kind != OpKind.W:
+        return None
+    j = min(len(ops) - 1, i + rng.randint(1, 3 * window))
+    if j == i:
+        return None
+    new = list(ops)
+    new.insert(j, new.pop(i))
+    return new
+
+
+def _swap_fb_b(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Exchange the B of an FB unit with a nearby lone B of another micro-batch (the F stays paired)."""
+    item = ops[i]
+    if type(item) is not FB:
+        return None
+    js = [j for j in range(max(0, i - window), min(len(ops), i + window + 1))
+          if type(ops[j]) is Op and ops[j].kind == item.b.kind and ops[j][1:3] != item.f[1:3]]
+    if not js:
+        return None
+    j = rng.choice(js)
+    new = list(ops)
+    new[i], new[j] = FB(item.f, ops[j]), item.b
+    return new
+
+
+Move = Callable[[list[ComputeItem], int, random.Random, int], "list[ComputeItem] | None"]
+MOVES: tuple[tuple[str, float, Move], ...] = (
+    ("shift", 0.35, _shift),
+    ("pair", 0.20, _pair),
+    ("unpair", 0.15, _unpair),
+    ("split_bw", 0.15, _split_bw),
+    ("swap", 0.15, _swap),
+)
+"""(name, probability, move) of every local-search move; the probabilities sum to 1."""
+FB_MOVES: tuple[tuple[str, float, Move], ...] = (
+    ("shift", 0.30, _shift),
+    ("pair", 0.10, _pair),
+    ("pair_late", 0.10, _pair_late),
+    ("unpair", 0.10, _unpair),
+    ("swap_fb_b", 0.15, _swap_fb_b),
+    ("sink_w", 0.10, _sink_w),
+    ("swap", 0.15, _swap),
+)
+"""The moves of the FB polish (backwards already split into B + W; see ``search``)."""
+
+
+def _bounds(moves: tuple[tuple[str, float, Move], ...]) -> list[float]:
+    return [round(x, 12) for x in accumulate(p for _, p, _ in moves)]
+
+
+_BOUNDS = {id(MOVES): _bounds(MOVES), id(FB_MOVES): _bounds(FB_MOVES)}
+
+
+def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
+              moves: tuple[tuple[str, float, Move], ...] = MOVES) -> Ranks | None:
+    """One random move on rank ``r``'s order (a copy of ``ranks``), or None if the move does not apply."""
+    ops = ranks[r]
+    if len(ops) < 2:
+        return None
+    i = rng.randrange(len(ops))
+    draw = rng.random()
+    bounds = _BOUNDS.get(id(moves)) or _bounds(moves)
+    move = next((fn for (_, _, fn), bound in zip(moves, bounds) if draw < bound), moves[-1][2])
+    new = move(ops, i, rng, window)
+    if new is None:
+        return None
+    out = list(ranks)
+    out[r] = new
+    return out
+
+
+def _changed_span(old: list[ComputeItem], new: list[ComputeItem]) -> tuple[int, int]:
+    """The first and last index of ``new`` where it differs from ``old`` (same prefix and suffix kept)."""
+    lo, n_old, n_new = 0, len(old), len(new)
+    while lo < n_old and lo < n_new and old[lo] is new[lo]:
+        lo += 1
+    hi_old, hi_new = n_old - 1, n_new - 1
+    while hi_old >= lo and hi_new >= lo and old[hi_old] is new[hi_new]:
+        hi_old, hi_new = hi_old - 1, hi_new - 1
+    return lo, hi_new
+
+
+def waits_on_later(table: OpTable, r: int, ops: list[ComputeItem], lo: int, hi: int) -> bool:
+    """True if an item of ``ops[lo:hi + 1]`` waits for a signal that an item at or after it on rank ``r`` makes.
+
+    Such an order deadlocks for sure; a move only reorders its span, so checking the span finds
+    every same-rank deadlock it creates without running the simulator.
+    """
+    made: dict[int, int] = {}
+    for i in range(lo, hi + 1):
+        for op in parts(ops[i]):
+            k = table.made(op)
+            if k >= 0:
+                made[k] = i
+    for i in range(lo, hi + 1):
+        for op in parts(ops[i]):
+            for key, owner, _ in table.waits(op):
+                if owner == r and made.get(key, -1) >= i:
+                    return True
+    return False
+
+
+def split_backward(ranks: list[list[ComputeItem]]) -> list[list[ComputeItem]]:
+    """Every BW as B then W (inside an FB too): the same times and memory, and what the model uses."""
+    out = []
+    for ops in ranks:
+        new: list[ComputeItem] = []
+        for item in ops:
+            b = item.b if type(item) is FB else item
+            if b.kind != OpKind.BW:
+                new.append(item)
+                continue
+            plain = Op(OpKind.B, b.chain, b.stage, b.mb)
+            new.append(FB(item.f, plain) if type(item) is FB else plain)
+            new.append(Op(OpKind.W, b.chain, b.stage, b.mb))
+        out.append(new)
+    return out
+
+
+def in_microbatch_order(ranks: list[list[ComputeItem]]) -> bool:
+    """True when every (kind, chain, stage) runs its micro-batches in increasing order."""
+    last: dict[tuple[str, int, int], int] = {}
+    for ops in ranks:
+        for item in ops:
+            for op in parts(item):
+                key = (str(op.kind), op.chain, op.stage)
+                if last.get(key, -1) > op.mb:
+                    return False
+                last[key] = op.mb
+    return True
+
+
+def _better(score: tuple[float, float], cur: tuple[float, float]) -> bool:
+    """Lower makespan, or the same makespan and no larger sum of rank end times."""
+    return score[0] < cur[0] - 1e-9 or (score[0] <= cur[0] + 1e-9 and score[1] <= cur[1] + 1e-9)
+
+
+def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random,
+                 steps: int, deadline: float | None,
+                 moves: tuple[tuple[str, float, Move], ...] = MOVES, window: int = 6) -> tuple[Ranks, float]:
+    """Hill-climb on per-rank orders for ``steps`` moves (or until ``deadline``); the best order and makespan."""
+    got = evaluate(layout, costs, ranks)
+    if got is None:
+        raise ScheduleError("local search needs a schedule that runs to completion")
+    cur, ends = (got[0], sum(got[1])), got[1]
+    P = layout.P
+    table = OpTable(layout.placement, layout.M)
+    late: list[int] = []
+    for step in range(steps):
+        if deadline is not None and step % 16 == 0 and time.perf_counter() > deadline:
+            break
+        if step % 64 == 0:  # bias towards the ranks that finish last: they set the makespan
+            late = sorted(range(P), key=lambda x: -ends[x])[:max(1, P // 2)]
+        r = rng.choice(late) if rng.random() < 0.5 else rng.randrange(P)
+        cand = neighbour(ranks, rng, r, window, moves)
+        if cand is None or waits_on_later(table, r, cand[r], *_changed_span(ranks[r], cand[r])):
+            continue
+        res = evaluate(layout, costs, cand)
+        if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+            continue
+        score = (res[0], sum(res[1]))
+        if _better(score, cur):
+            ranks, cur, ends = cand, score, res[1]
+    return ranks, cur[0]
+
+
+def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
+            deadline: float | None = None) -> tuple[Ranks, float]:
+    """Push each W to the end of its rank where that does not hurt.
+
+    The exact schedules run W's late in the cool-down so that B's reach the ranks waiting for them
+    sooner; one pass over the W's (last first), moving each to the end of its rank and keeping the
+    move when (makespan, sum of rank end times) does not grow.
+    """
+    got = evaluate(layout, costs, ranks)
+    if got is None:
+        raise ScheduleError("sink_ws needs a schedule that runs to completion")
+    cur = (got[0], sum(got[1]))
+    for r in range(layout.P):
+        ws = [item for item in ranks[r] if type(item) is Op and item.kind == OpKind.W]
+        for w in reversed(ws):
+            if deadline is not None and time.perf_counter() > deadline:
+                return ranks, cur[0]
+            ops = ranks[r]
+            i = ops.index(w)
+            if i == len(ops) - 1:
+                continue
+            new = ops[:i] + ops[i + 1:] + [w]
+            cand = list(ranks)
+            cand[r] = new
+            res = evaluate(layout, costs, cand)
+            if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+                continue
+            score = (res[0], sum(res[1]))
+            if _better(score, cur):
+                ranks, cur = cand, score
+    return ranks, cur[0]

@@ -1,0 +1,262 @@
+"""The search driver behind ``build_schedule("auto", ...)``.
+
+1. **Candidates**: the hand schedules of the placement (``HAND_SCHEDULES``) that fit the memory
+   limit, kept as they are, so ``auto`` is never worse than the best of them.
+2. **List scheduling** (``listsched``): the policy grid, then the best six with the hold and cap
+   variants.
+3. **Randomised walks**: the best policies with random tie-breaking, seeded.
+4. **Local search** (``local``) on the best order.
+5. **FB polish**, only where an FB unit can be cheaper than its halves (a rank with two stages and
+   exposed all-to-all or a cheaper ``fb``): walks with eager W's, every BW split into B then W
+   (never worse: same rank time and memory, gradients out one W sooner), W's pushed late, and a
+   local search with ``FB_MOVES``. This is what the exact solver's schedules do differently.
+
+Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations); the
+search is bounded by iteration counts, not the clock, so a seed gives one result.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..costs import Costs
+from ..errors import ScheduleError
+from ..ir import ComputeItem, Schedule
+from ..ops import OpTable
+from ..registry import build_schedule
+from ..simulate import run_schedule
+from .layout import Layout, memory_limits
+from .listsched import list_schedule
+from .local import FB_MOVES, in_microbatch_order, local_search, sink_ws, split_backward
+from .policies import Policy, fb_policies, policies
+
+HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "dualpipev"), "dual": ("dualpipe",)}
+"""The hand schedules ``auto`` starts from and must never lose to, per placement."""
+
+Ranks = list[list[ComputeItem]]
+
+
+@dataclass
+class Candidate:
+    """A scored order: makespan, peak activations (max over ranks) and where it came from."""
+
+    ranks: Ranks
+    makespan: float
+    peak: int
+    source: str
+
+
+@dataclass
+class Hand:
+    """A hand schedule of the placement with its makespan and per-rank peaks under the costs."""
+
+    name: str
+    schedule: Schedule
+    makespan: float
+    peaks: list[int]
+
+
+def hand_candidates(layout: Layout, costs: Costs) -> list[Hand]:
+    """The hand schedules of this placement that build for (P, M), with makespan and peaks."""
+    found = []
+    for name in HAND_SCHEDULES[layout.name]:
+        try:
+            sched = build_schedule(name, layout.P, layout.M)
+            res = run_schedule(sched, costs, record=False)
+        except Exception:  # noqa: BLE001 - a family that is missing or rejects (P, M) is just not a candidate
+            continue
+        if sched.placement != layout.placement:
+            continue
+        found.append(Hand(name, sched, res.makespan, list(res.peak_activations)))
+    return found
+
+
+def default_limit(placement: str, P: int, hands: list[Hand]) -> int:
+    """The peak of the leanest hand schedule (P linear, 2P v, P + 1 dual when none builds)."""
+    if hands:
+        return min(max(h.peaks) for h in hands)
+    return {"linear": P, "v": 2 * P, "dual": P + 1}[placement]
+
+
+def _improves(got: tuple[float, int], best: Candidate | None) -> bool:
+    """Lower makespan, or the same makespan and a lower peak."""
+    return best is None or got[0] < best.makespan - 1e-9 or (got[0] <= best.makespan + 1e-9 and got[1] < best.peak)
+
+
+@dataclass
+class Search:
+    """The best order found so far, under a memory limit and an optional deadline."""
+
+    layout: Layout
+    costs: Costs
+    limits: list[int]
+    deadline: float | None = None
+    best: Candidate | None = None
+    best_ordered: Candidate | None = None  # the best that keeps micro-batch order (what CP-SAT is hinted with)
+    out_of_time: bool = False
+    walks: int = 0
+    scored: list[tuple[float, Policy]] = field(default_factory=list)
+
+    def make(self, ranks: Ranks) -> Schedule:
+        lay = self.layout
+        return Schedule("auto", lay.P, lay.M, lay.placement, lay.microbatch_chain, ranks)
+
+    def score(self, ranks: Ranks) -> tuple[float, int] | None:
+        """(makespan, max peak) of ``ranks`` by the simulator; None on deadlock or over the limit."""
+        try:
+            res = run_schedule(self.make(ranks), self.costs, record=False)
+        except ScheduleError:
+            return None
+        if any(p > lim for p, lim in zip(res.peak_activations, self.limits)):
+            return None
+        return res.makespan, max(res.peak_activations)
+
+    def consider(self, ranks: Ranks | None, source: str) -> float | None:
+        """Keep ``ranks`` if better (lower makespan, then lower peak); return its makespan, or None."""
+        if ranks is None:
+            return None
+        got = self.score(ranks)
+        if got is None:
+            return None
+        if _improves(got, self.best):
+            self.best = Candidate(ranks, got[0], got[1], source)
+        if _improves(got, self.best_ordered) and in_microbatch_order(ranks):
+            self.best_ordered = Candidate(ranks, got[0], got[1], source)
+        return got[0]
+
+    def expired(self) -> bool:
+        """True once the deadline passed and a valid order exists (then every phase stops)."""
+        if self.best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
+            self.out_of_time = True
+        return self.out_of_time
+
+    def try_policies(self, pols: list[Policy], walk: Callable[[Policy], Ranks | None]) -> None:
+        for pol in pols:
+            if self.expired():
+                return
+            got = self.consider(walk(pol), "list")
+            if got is not None:
+                self.scored.append((got, pol))
+
+
+def _grid_phase(search: Search, walk: Callable[[Policy], Ranks | None], sc_policies: list[Policy]) -> list[Policy]:
+    """The policy grid, then the best six with the critical-path hold and 1F1B-like caps; the best six."""
+    search.try_policies(sc_policies, walk)
+    search.scored.sort(key=lambda x: x[0])
+    variants = [replace(p, hold_b=hold, cap=k) for _, p in search.scored[:6] for hold in (False, True)
+                for k in (0, 1, 2) if hold or k]
+    search.try_policies(variants, walk)
+    search.scored.sort(key=lambda x: x[0])
+    return [pol for _, pol in search.scored[:6]]
+
+
+def _walk_phase(search: Search, top: list[Policy], iterations: int, rng: random.Random,
+                walk: Callable[..., Ranks | None]) -> None:
+    """Randomised walks: the best policies with random tie-breaking."""
+    for _ in range(iterations if top else 0):
+        if search.expired():
+            return
+        pol = top[rng.randrange(len(top))]
+        noise = rng.choice((0.05, 0.1, 0.2, 0.35))
+        walk_rng = random.Random(rng.getrandbits(32))
+        search.walks += 1
+        search.consider(walk(pol, walk_rng, noise), "search")
+
+
+def _local_phase(search: Search, iterations: int, rng: random.Random) -> None:
+    if search.expired():
+        return
+    best = search.best
+    steps = max(1000, 10 * iterations) if iterations else 0
+    ranks, makespan = local_search(search.layout, search.costs, search.limits, [list(x) for x in best.ranks],
+                                   rng, steps, search.deadline)
+    if makespan < best.makespan - 1e-9:
+        search.consider(ranks, best.source + "+local")
+    search.expired()
+
+
+def _pairing_saves(layout: Layout, costs: Costs) -> bool:
+    """True when some rank has two stages and an FB unit can be cheaper than its halves."""
+    sc = costs.per_stage(layout.S)
+    return any(len(x) > 1 for x in layout.local) and (sc.fb is not None or any(sc.a2a_f) or any(sc.a2a_b))
+
+
+def _fb_phase(search: Search, iterations: int, rng: random.Random, walk: Callable[..., Ranks | None]) -> None:
+    """Polish FB units: every BW split into B then W (never worse), then local search with ``FB_MOVES``.
+
+    What the exact solver's schedules do (docs/schedules.md): FB(F+B) with its W right after or
+    later, so each hop gets its gradient one W sooner; swapping the B inside a unit and pushing
+    W's to the cool-down are moves the first local search does not have.
+    """
+    if search.expired() or not _pairing_saves(search.layout, search.costs):
+        return
+    search.scored = []
+    top = _grid_phase(search, walk, fb_policies(search.layout.name, search.costs.per_stage(search.layout.S)))
+    _walk_phase(search, top, iterations // 4, rng, walk)
+    best = search.best
+    ranks = split_backward(best.ranks)
+    search.consider(ranks, best.source + "+split")
+    ranks, makespan = sink_ws(search.layout, search.costs, search.limits, ranks, search.deadline)
+    search.consider(ranks, best.source + "+sink")
+    steps = max(1000, 10 * iterations) if iterations else 0
+    ranks, makespan = local_search(search.layout, search.costs, search.limits, ranks, rng, steps,
+                                   search.deadline, FB_MOVES)
+    if makespan < search.best.makespan - 1e-9:
+        search.consider(ranks, best.source + "+fb")
+    search.expired()
+
+
+def check_options(costs: object, seed: object, time_budget: object,
+                  iterations: object) -> None:
+    """``ScheduleError`` naming the first bad option and what is allowed."""
+    if not isinstance(costs, Costs):
+        raise ScheduleError(f"costs must be a mt_dualpipe.schedules.Costs, got {type(costs).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ScheduleError(f"seed must be an integer, got {seed!r}")
+    if time_budget is not None and not (isinstance(time_budget, (int, float)) and time_budget > 0):
+        raise ScheduleError(f"time_budget must be a positive number of seconds or None, got {time_budget!r}")
+    if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int)
+                                   or iterations < 0):
+        raise ScheduleError(f"iterations must be a non-negative integer or None, got {iterations!r}")
+
+
+def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | None, seed: int,
+              time_budget: float | None, iterations: int | None) -> tuple[Search, dict]:
+    """Run the phases; the search (its best order) and the ``meta`` entries that describe it."""
+    started = time.perf_counter()
+    P, M = layout.P, layout.M
+    sc = costs.per_stage(layout.S)
+    hands = hand_candidates(layout, costs)
+    limit_value = default_limit(layout.name, P, hands) if memory_limit is None else memory_limit
+    limits = memory_limits(limit_value, P)
+    if min(limits) < layout.min_limit:
+        raise ScheduleError(f"memory_limit {limit_value!r} is too small for placement {layout.name!r}: a micro-batch "
+                            f"needs {layout.min_limit} activation slot(s) on one rank; allowed: >= {layout.min_limit}")
+    search = Search(layout, costs, limits, None if time_budget is None else started + time_budget)
+    baselines: dict[str, dict] = {}
+    for h in hands:
+        fits = all(p <= lim for p, lim in zip(h.peaks, limits))
+        baselines[h.name] = {"makespan": h.makespan, "peak_activations": max(h.peaks), "fits": fits}
+        if fits:
+            search.consider([list(ops) for ops in h.schedule.ranks], h.name)
+    table = OpTable(layout.placement, M, sc)
+
+    def walk(pol: Policy, rng: random.Random | None = None, noise: float = 0.0) -> Ranks | None:
+        return list_schedule(layout, sc, limits, pol, rng, noise, table)
+
+    top = _grid_phase(search, walk, policies(layout.name, sc))
+    if search.best is None:
+        raise ScheduleError(f"auto found no schedule for P={P}, M={M}, placement={layout.name!r} within "
+                            f"memory_limit={limit_value!r}")
+    if iterations is None:
+        iterations = max(10, min(200, layout.C * layout.S * M * P // 8))  # small problems converge in a few walks
+    rng = random.Random(seed)
+    _walk_phase(search, top, iterations, rng, walk)
+    _local_phase(search, iterations, rng)
+    _fb_phase(search, iterations, rng, walk)
+    meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks,
+            "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
+    return search, meta
