@@ -9,11 +9,12 @@ as docs/schedules.md defines them: +1 when a stage's F starts, -1 when its W or 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from . import ops as K
 from ._perf import gc_paused
-from .costs import Costs, StageCosts
+from .costs import COST_FIELDS, Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
 from .ops import COLLECTIVE, OpTable
@@ -73,22 +74,22 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
     walk = _Walk(schedule, costs.per_stage(len(placement[0])), record, starts_out, ends_out)
     walk.run()
-    P, busy = schedule.num_ranks, walk.busy
-    now = [max(t, walk.comm_end[r]) for r, t in enumerate(walk.now)]  # a step ends when its reductions do
+    P, busy, compute_end = schedule.num_ranks, walk.column(4), walk.column(1)
+    now = [max(t, walk.comm_end[r]) for r, t in enumerate(compute_end)]  # a step ends when its reductions do
     makespan = max(now) if P else 0.0
     span = [(now[r] - walk.first[r]) if walk.first[r] is not None else 0.0 for r in range(P)]
     idle = [makespan - b for b in busy]
     return SimResult(
         name=schedule.name, num_ranks=P, num_microbatches=schedule.num_microbatches, makespan=makespan,
         busy=busy, makespan_bubble=idle, span_bubble=[sp - b for sp, b in zip(span, busy)],
-        peak_activations=walk.peak, bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
+        peak_activations=walk.column(3), bubble_rate=(sum(idle) / (P * makespan)) if makespan else 0.0,
         timeline=walk.events, costs=costs, rank_end=list(now),
-        dp_exposed=[max(0.0, e - t) for e, t in zip(walk.comm_end, walk.now)],
+        dp_exposed=[max(0.0, e - t) for e, t in zip(walk.comm_end, compute_end)],
     )
 
 
 class _Walk:
-    """The event walk's state: per-rank position, clock, live activations; per-signal end times."""
+    """The event walk's state: per rank [position, clock, live, peak, busy]; per signal its end time."""
 
     def __init__(self, schedule: Schedule, sc: StageCosts, record: bool,
                  starts_out: list[list[float]] | None, ends_out: list[list[float]] | None) -> None:
@@ -96,23 +97,26 @@ class _Walk:
         placement = schedule.placement
         self.S, self.M = len(placement[0]), schedule.num_microbatches
         self.fb_cost = sc.fb_cost
-        self.templates = OpTable(placement, self.M, sc).walk_table(sc.comm)
+        self.templates = _walk_table(placement, self.M, sc)
         self.rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
         self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M)
         self.waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
-        self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank)
-        self.pos = [0] * P
-        self.now = [0.0] * P
+        self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank) of its last park
+        self.state = [[0, 0.0, 0, 0, 0.0] for _ in range(P)]  # position, clock, live, peak, busy
         self.first: list[float | None] = [None] * P
-        self.busy = [0.0] * P
-        self.live = [0] * P
-        self.peak = [0] * P
         self.events: list[TimelineEvent] = []
         self.record = record
         self.starts_out, self.ends_out = starts_out, ends_out
         self.stack = list(range(P))
         self.posts: list[tuple[int, int, int, float]] = []  # collective ops: (rank, chain, stage, post time)
         self.dp_sync = sc.dp_sync
+        # what every resume of a rank reads, bound once
+        self.ctx = (self.templates, self.end_of, self.waiters, self.stack, self.S,
+                    self.events if record else None, starts_out, ends_out, self.blocked_on, self.posts)
+
+    def column(self, k: int) -> list:
+        """One per-rank counter (1 clock, 2 live, 3 peak, 4 busy) as a list over ranks."""
+        return [st[k] for st in self.state]
 
     def run(self) -> None:
         stack = self.stack
@@ -126,9 +130,10 @@ class _Walk:
                         raise ScheduleError(f"rank {r} op {i}: unknown op kind {item.kind!r}; "
                                             "allowed F, B, W, BW, FB, REDUCE_GRAD") from exc
             raise
-        stuck = [r for r in range(len(self.rank_ops)) if self.pos[r] < len(self.rank_ops[r])]
+        stuck = [r for r, st in enumerate(self.state) if st[0] < len(self.rank_ops[r])]
         if stuck:
-            raise ScheduleError(_deadlock_message(self.rank_ops, self.pos, self.blocked_on, stuck, self.S, self.M))
+            pos = self.column(0)
+            raise ScheduleError(_deadlock_message(self.rank_ops, pos, self.blocked_on, stuck, self.S, self.M))
         self.comm_end = self.run_collectives()
 
     def run_collectives(self) -> list[float]:
@@ -151,21 +156,20 @@ class _Walk:
     def advance(self, r: int) -> None:
         """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop).
 
-        Per-rank counters live in locals here and are written back when the rank parks, finishes
-        or hands an FB unit to ``run_fb``.
+        The rank's counters live in locals here and are written back when it parks, finishes or
+        hands an FB unit to ``run_fb``.
         """
-        ops, templates, end_of, waiters, stack = self.rank_ops[r], self.templates, self.end_of, self.waiters, self.stack
-        S, events, starts_out = self.S, self.events if self.record else None, self.starts_out
-        i, nops, t_now = self.pos[r], len(ops), self.now[r]
-        live, peak, busy = self.live[r], self.peak[r], self.busy[r]
-        self.blocked_on.pop(r, None)
+        templates, end_of, waiters, stack, S, events, starts_out, ends_out, blocked_on, posts = self.ctx
+        ops, st = self.rank_ops[r], self.state[r]
+        i, t_now, live, peak, busy = st
+        nops = len(ops)
         while i < nops:
             item = ops[i]
             if type(item) is FB:
-                self.pos[r], self.now[r], self.live[r], self.peak[r], self.busy[r] = i, t_now, live, peak, busy
-                if not self.run_fb(r, item):
+                st[:] = i, t_now, live, peak, busy
+                if not self.run_fb(r, item, st):
                     return
-                i, t_now, live, peak, busy = i + 1, self.now[r], self.live[r], self.peak[r], self.busy[r]
+                i, t_now, live, peak, busy = st
                 continue
             kind, c, s, m = item
             waits, made, dur, holds, frees = templates[kind][c * S + s]
@@ -175,7 +179,7 @@ class _Walk:
                 v = end_of[key + off]
                 if v < 0:
                     waiters.setdefault(key + off, []).append(r)
-                    self.blocked_on[r] = (key + off, owner)
+                    blocked_on[r] = (key + off, owner)
                     t = -1.0
                     break
                 v += hop
@@ -191,7 +195,7 @@ class _Walk:
                 peak = live
             live -= frees
             if made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
-                self.posts.append((r, c, s, start))
+                posts.append((r, c, s, start))
                 dur = 0.0
             t_now = start + dur
             if made >= 0:
@@ -204,17 +208,10 @@ class _Walk:
                 events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
             if starts_out is not None:
                 starts_out[r].append(start)
-                self.ends_out[r].append(t_now)
+                ends_out[r].append(t_now)
             busy += dur
             i += 1
-        self.pos[r], self.now[r], self.live[r], self.peak[r], self.busy[r] = i, t_now, live, peak, busy
-
-    def count(self, r: int, holds: int, frees: int) -> None:
-        """Activations: ``holds`` units from the op's start, ``frees`` released at its end."""
-        live = self.live[r] + holds
-        if live > self.peak[r]:
-            self.peak[r] = live
-        self.live[r] = live - frees
+        st[:] = i, t_now, live, peak, busy
 
     def make(self, key: int, end: float) -> None:
         self.end_of[key] = end
@@ -236,7 +233,7 @@ class _Walk:
                 t = v
         return t
 
-    def run_fb(self, r: int, item: FB) -> bool:
+    def run_fb(self, r: int, item: FB, st: list) -> bool:
         """An FB unit: both parts' inputs, one cost, both parts' signals at its end. False if parked."""
         (fk, fc, fs, fm), (bk, bc, bs, bm) = item
         wf, mf, _, hf, ff = self.templates[fk][fc * self.S + fs]
@@ -247,10 +244,11 @@ class _Walk:
         t = self.ready(wb, bm + bm, r)
         if t < 0:
             return False
-        start = max(self.now[r], t, t1)
+        i, t_now, live, peak, busy = st
+        start = max(t_now, t, t1)
         dur = self.fb_cost(fs, bk, bs)
         end = start + dur
-        self.count(r, hf + hb, ff + fbb)
+        live += hf + hb
         for made, m in ((mf, fm), (mb_, bm)):
             if made >= 0:
                 self.make(made + m + m, end)
@@ -259,11 +257,32 @@ class _Walk:
         if self.starts_out is not None:
             self.starts_out[r].append(start)
             self.ends_out[r].append(end)
-        if self.first[r] is None:
+        if not i:
             self.first[r] = start
-        self.busy[r] += dur
-        self.now[r] = end
+        st[:] = i + 1, end, live - ff - fbb, max(peak, live), busy + dur
         return True
+
+
+_TABLES: OrderedDict[tuple, dict] = OrderedDict()
+_TABLES_MAX = 64
+
+
+def _walk_table(placement: tuple, M: int, sc: StageCosts) -> dict[str, list[tuple]]:
+    """``OpTable.walk_table`` for (placement, M, costs), reused across calls (a bounded LRU).
+
+    The ``auto`` search simulates thousands of candidate orders on one placement and cost
+    profile; the table is the same for all of them.
+    """
+    key = (placement, M, *(None if v is None else tuple(v) for v in (getattr(sc, f) for f in COST_FIELDS)))
+    table = _TABLES.get(key)
+    if table is None:
+        table = OpTable(placement, M, sc).walk_table(sc.comm)
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_MAX:
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return table
 
 
 def _deadlock_message(rank_ops, pos, blocked_on, stuck, S: int, M: int) -> str:
