@@ -103,6 +103,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --corpus: held-out batches the validation loss averages, before and after training\n"
                         "(default 2; 0: no validation)")
     p.add_argument("--fp8", action="store_true", help="FP8 linears (mt_dualpipe.integrations.fp8)")
+    p.add_argument("--balance", default=None, metavar="NAME",
+                   help="expert-balancing strategy (mt_dualpipe.integrations.balancing.STRATEGIES: aux_free, seq_aux, "
+                        "batch_aux, device_limited, capacity, none); default: the config's (aux_free)")
+    p.add_argument("--fp8-dispatch", action="store_true", help="send the MoE dispatch all-to-all in FP8")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recompute policy of the stages (mt_dualpipe.integrations.recompute), default none")
+    p.add_argument("--bf16-moments", action="store_true", help="AdamW moments in BF16 (mt_dualpipe.optim.AdamWBF16)")
+    p.add_argument("--cpu-ema", type=float, default=None, metavar="DECAY",
+                   help="keep a parameter EMA with this decay on the CPU, updated in the background after each step")
     p.add_argument("--from-pretrained", default=None, metavar="PATH",
                    help="start from a Hugging Face-layout checkpoint folder (config.json, safetensors, index):\n"
                         "each rank reads only its own stages' tensors; --preset is then ignored")
@@ -196,6 +205,10 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
 
     tokenizer = load_tokenizer(args.tokenizer) if args.corpus else None
     config = model_config(args, tokenizer)
+    if args.balance:
+        config = config.with_balance(args.balance)
+    if args.fp8_dispatch:
+        config = config.replace(fp8_dispatch=True)
     stages_per_rank = 2 if args.schedule in ("dualpipe", "dualpipev", "zbv", "interleaved-1f1b") else 1
     mbs = args.microbatches or 2 * world * (1 if args.schedule == "dualpipe" else stages_per_rank)
     sched = build_schedule(args.schedule, world, mbs)
@@ -206,11 +219,12 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
                           tokenizer=tokenizer, val_every=args.val_every, seed=args.seed)
     if args.from_pretrained:  # only this rank's stages' tensors are read (and, with --ep, only its experts)
         mods = stages_for_rank(config, sched, pp_rank, list(split.counts), checkpoint=args.from_pretrained,
-                               ep_group=ep_group, fp8=args.fp8)
+                               ep_group=ep_group, fp8=args.fp8, recompute=args.recompute)
     else:
         torch.manual_seed(args.seed)
         full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
-        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, ep_group=ep_group)
+        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, ep_group=ep_group,
+                               recompute=args.recompute)
         del full
     fp8_backend = fp8_gemm = None
     if args.fp8:
@@ -230,7 +244,23 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
         pipe = DualPipeV(tuple(mods), process_group=pp_group, timeout=args.timeout)
     else:
         pipe = Pipeline(mods, sched, pp_group, timeout=args.timeout)
-    opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
+    from mt_dualpipe.optim import AdamWBF16, CpuEMA
+
+    opt = (AdamWBF16 if args.bf16_moments else torch.optim.AdamW)(
+        [p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter
+
+    pipe.activation_meter = meter = SavedActivationMeter()  # bytes autograd saves for backward (--recompute)
+    plain_step = pipe.step
+
+    def metered_step(*a, **k):
+        with meter.measure():
+            return plain_step(*a, **k)
+
+    pipe.step = metered_step
+    if args.cpu_ema is not None:  # folded in by a background thread after each step; the next step waits for it
+        ema = CpuEMA(torch.nn.ModuleList(mods), decay=args.cpu_ema, optimizer=opt)
+        opt.register_step_post_hook(lambda *_: ema.update())
     return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm, split, data)
 
 
@@ -489,6 +519,7 @@ def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
         "first_step": history["first_step"],
         "loss": history["loss"], "mtp_loss": history["mtp_loss"], "expert_load_max_violation": history["balance"],
         "tokens_per_s": sum(steady) / len(steady) if steady else None,
+        "recompute": args.recompute, "saved_activation_peak_bytes_rank0": run.pipe.activation_meter.peak,
         "bubble_rate": bubble,
         "rewind": not args.no_rewind, "snapshot_every": None if args.no_rewind else args.snapshot_every,
         "from_pretrained": args.from_pretrained, "save_pretrained": args.save_pretrained,
@@ -515,6 +546,8 @@ def report(summary: dict) -> None:
         t.add_row(f"MTP loss ({first} → last step)", f"{summary['mtp_loss'][0]:.3f} → {summary['mtp_loss'][-1]:.3f}")
         t.add_row("expert load max violation (last)", f"{summary['expert_load_max_violation'][-1]:.3f}")
         t.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
+        t.add_row(f"saved activations peak, rank 0 (recompute {summary['recompute']})",
+                  f"{summary['saved_activation_peak_bytes_rank0'] / 2**20:.2f} MiB")
     val = summary["val_loss"]
     if val and val[0] is not None:
         t.add_row("validation loss (before → after)", f"{val[0]:.3f} → {val[1]:.3f}")

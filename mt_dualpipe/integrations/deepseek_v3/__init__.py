@@ -22,7 +22,7 @@ Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3
 from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
 from .config import DeepSeekV3Config, YarnScaling
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, language_model_losses
-from .moe import MoE, max_violation, set_aux_loss_scale, update_expert_bias
+from .moe import MoE, dropped_fraction, max_violation, set_aux_loss_scale, update_expert_bias
 from .stages import (
     DeepSeekV3Stage,
     build_stages,
@@ -39,7 +39,7 @@ overlapped_forward_backward = DeepSeekV3Stage.overlapped_forward_backward
 
 __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
-    "build_stages", "criterion_for", "dualpipe_stage_ids", "language_model_losses", "max_violation",
+    "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "language_model_losses", "max_violation",
     "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "stage_layer_ids", "stages_for_rank",
     "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint", "CheckpointError", "YarnScaling",
     "save_pipeline_checkpoint",

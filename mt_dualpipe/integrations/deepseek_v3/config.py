@@ -97,6 +97,14 @@ class DeepSeekV3Config:
     the chosen weights to sum 1 before ``route_scale``. ``rope_interleave``: RoPE rotates consecutive
     pairs (the released layout) rather than the two halves. ``hf_extra`` keeps the Hugging Face
     fields that do not shape the model (token ids, dtype, ...) so ``to_hf`` gives them back.
+
+    Expert balancing (formulas in ``integrations/balancing.py``; ``with_balance(name)`` picks a named
+    strategy): ``batch_balance_loss_weight`` is α of the batch-wise (Switch/GShard) loss over the EP
+    ranks' batch; ``device_limit`` M > 0 confines each token to M of ``device_groups`` contiguous
+    expert devices (replacing group-limited routing); ``capacity_factor`` > 0 drops the pairs beyond
+    ``ceil(cf·T·K/N)`` per expert in ``capacity_priority`` order (0: no dropping, V3's default).
+    ``fp8_dispatch``: the dispatch all-to-all carries E4M3 rows with 1×128 tile scales (the combine and
+    every gradient stay in the model's dtype), as DeepSeek-V3 does to halve the dispatch bytes.
     """
 
     vocab_size: int = 129280
@@ -130,6 +138,12 @@ class DeepSeekV3Config:
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     norm_topk_prob: bool = True
+    batch_balance_loss_weight: float = 0.0
+    device_groups: int = 1
+    device_limit: int = 0
+    capacity_factor: float = 0.0
+    capacity_priority: str = "position"
+    fp8_dispatch: bool = False
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +165,37 @@ class DeepSeekV3Config:
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method {self.topk_method!r} is not supported; choose one of {TOPK_METHODS}")
         self._check_routing()
+        self._check_balancing()
+
+    def _check_balancing(self) -> None:
+        from ..balancing import PRIORITIES
+
+        if self.batch_balance_loss_weight < 0 or self.balance_loss_weight < 0 or self.bias_update_speed < 0:
+            raise ValueError("balance_loss_weight, batch_balance_loss_weight and bias_update_speed must be >= 0")
+        if self.capacity_factor < 0:
+            raise ValueError(f"capacity_factor must be >= 0 (0: no dropping), got {self.capacity_factor}")
+        if self.capacity_priority not in PRIORITIES:
+            raise ValueError(f"capacity_priority {self.capacity_priority!r} is not supported; choose one of "
+                             f"{PRIORITIES}")
+        if self.device_limit == 0:
+            return
+        if self.device_groups < 1 or self.n_routed_experts % self.device_groups:
+            raise ValueError(f"device_groups ({self.device_groups}) must divide n_routed_experts "
+                             f"({self.n_routed_experts})")
+        if not 1 <= self.device_limit <= self.device_groups:
+            raise ValueError(f"device_limit must be in 0..device_groups ({self.device_groups}), "
+                             f"got {self.device_limit}")
+        per_device = self.n_routed_experts // self.device_groups
+        if self.device_limit * per_device < self.n_activated_experts or \
+                per_device < math.ceil(self.n_activated_experts / self.device_limit):
+            raise ValueError(f"device_limit {self.device_limit} x {per_device} experts per device cannot hold "
+                             f"n_activated_experts ({self.n_activated_experts})")
+
+    def with_balance(self, name: str) -> DeepSeekV3Config:
+        """This config with the expert-balancing strategy ``name`` (``balancing.STRATEGIES``)."""
+        from ..balancing import strategy_overrides
+
+        return replace(self, **strategy_overrides(name))
 
     def _check_routing(self) -> None:
         if self.n_routed_experts % self.n_expert_groups:

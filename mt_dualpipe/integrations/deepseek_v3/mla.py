@@ -112,6 +112,11 @@ class MLA(nn.Module):
         self.softmax_scale = c.softmax_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.core(*self.project(x)))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x -> per-head q, k (RoPE applied) and v: the down/up projections and their RMSNorms (what the
+        ``"selective"`` recompute policy recomputes in backward)."""
         bsz, seq, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
@@ -123,8 +128,12 @@ class MLA(nn.Module):
         k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection."""
+        seq = q.size(1)
         scores = torch.einsum("bshd,bthd->bhst", q, k) * self.softmax_scale
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=cdt).type_as(x)
-        out = torch.einsum("bhst,bthd->bshd", probs, v)
-        return self.wo(out.flatten(2))
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
+        return torch.einsum("bhst,bthd->bshd", probs, v).flatten(2)

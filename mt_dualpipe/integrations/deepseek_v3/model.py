@@ -38,7 +38,11 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoE)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x))
+        return x + self.attn.wo(self.attn.core(*self.normed_qkv(x)))
+
+    def normed_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RMSNorm, then MLA's projections: the region the ``"selective"`` recompute policy recomputes."""
+        return self.attn.project(self.attn_norm(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attention(x)

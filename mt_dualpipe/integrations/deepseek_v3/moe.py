@@ -8,7 +8,9 @@ chosen experts, normalised to sum 1 and scaled by ``route_scale``. After each op
 ``update_expert_bias`` moves b by γ·sign(mean load − load) (auxiliary-loss-free balancing).
 A small sequence-wise balance loss α·Σ f_i P_i is added through ``AuxLoss``, which leaves the
 forward value untouched and injects the loss gradient in backward, so it reaches the total loss
-from any pipeline stage without travelling through the stage outputs.
+from any pipeline stage without travelling through the stage outputs. The other strategies
+(batch-wise loss, device-/node-limited routing, capacity with dropping) are config switches; their
+formulas are in ``integrations/balancing.py``.
 
 The forward is written as four pieces — ``route``, dispatch, ``run_experts``, combine — so the
 overlapped forward/backward can interleave them with another micro-batch's pieces.
@@ -23,8 +25,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..balancing import batch_balance_loss, bias_update, capacity_keep, device_limited_mask, sequence_balance_loss
+from ..fp8.linear import FP8Linear
+from ..fp8.quantize import quantize_tiles
 from .config import DeepSeekV3Config
-from .expert_parallel import DEFAULT_TIMEOUT, DispatchPlan, all_to_all, ep_rank, ep_size, plan_dispatch
+from .expert_parallel import (
+    DEFAULT_TIMEOUT,
+    DispatchPlan,
+    all_to_all,
+    ep_rank,
+    ep_size,
+    fp8_all_to_all,
+    plan_dispatch,
+)
 from .mla import compute_dtype
 
 
@@ -64,6 +77,10 @@ class MLP(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.w1, FP8Linear) and isinstance(self.w3, FP8Linear) and x.numel():
+            # FP8 up-projections: quantise the input once; both GEMMs keep the same FP8 copy for dW.
+            xq = quantize_tiles(x.detach().reshape(-1, x.shape[-1]))
+            return self.w2(F.silu(self.w1(x, xq)) * self.w3(x, xq))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -83,6 +100,7 @@ class Gate(nn.Module):
                                                       config.n_limited_groups)
         self.route_scale, self.norm_topk_prob = config.route_scale, config.norm_topk_prob
         self.scoring_func, self.topk_method = config.scoring_func, config.topk_method
+        self.device_groups, self.device_limit = config.device_groups, config.device_limit
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
         # Selection-only bias (not trained by gradients) and the routed-token count since the last update.
         self.register_buffer("bias", torch.zeros(config.n_routed_experts))
@@ -90,9 +108,12 @@ class Gate(nn.Module):
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Expert ids (tokens, k): top-k inside the best groups (no gradient flows through the choice)."""
-        if self.topk_method == "greedy":
+        if self.topk_method == "greedy" and not self.device_limit:
             return scores.topk(self.topk, dim=-1).indices
         choice = scores + self.bias if self.topk_method == "noaux_tc" else scores
+        if self.device_limit:  # device-/node-limited routing takes the place of the expert groups
+            keep = device_limited_mask(choice, self.device_groups, self.device_limit, self.topk)
+            return choice.masked_fill(~keep, float("-inf")).topk(self.topk, dim=-1).indices
         if self.n_groups > 1:
             grouped = choice.view(scores.size(0), self.n_groups, -1)
             if self.topk_method == "noaux_tc":
@@ -120,17 +141,6 @@ class Gate(nn.Module):
         return weights * self.route_scale, indices, scores
 
 
-def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int, topk: int) -> torch.Tensor:
-    """Σ_i f_i·P_i per sequence, averaged over sequences (report eq. 17-20, without α)."""
-    n_experts = scores.size(-1)
-    seq = scores.size(0) // batch
-    probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, n_experts).mean(1)
-    hits = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
-        1, indices.view(batch, -1), torch.ones(batch, seq * topk, device=scores.device))
-    f = hits * (n_experts / (topk * seq))
-    return (f * probs).sum(-1).mean()
-
-
 class MoE(nn.Module):
     """Shared experts plus the local shard of the routed experts (all of them when ``ep_group`` is None)."""
 
@@ -142,6 +152,12 @@ class MoE(nn.Module):
                              f"group size ({size})")
         self.ep_group, self.n_experts, self.topk = ep_group, config.n_routed_experts, config.n_activated_experts
         self.balance_weight, self.bias_update_speed = config.balance_loss_weight, config.bias_update_speed
+        self.batch_balance_weight = config.batch_balance_loss_weight
+        self.capacity_factor, self.capacity_priority = config.capacity_factor, config.capacity_priority
+        self.fp8_dispatch = config.fp8_dispatch
+        if config.device_limit and size > 1 and size % config.device_groups:
+            raise ValueError(f"device-limited routing over {config.device_groups} devices needs an EP group whose "
+                             f"size is a multiple of it, got {size}")
         local = config.n_routed_experts // size
         self.first_expert = ep_rank(ep_group) * local
         self.gate = Gate(config)
@@ -152,21 +168,41 @@ class MoE(nn.Module):
             if config.n_shared_experts else None
         self.balance_loss_sum = 0.0  # detached sum of the balance loss values seen since the last reset
         self.balance_loss_count = 0
+        self.dropped_pairs = 0  # (token, expert) pairs dropped by the capacity since the last reset
+        self.routed_pairs = 0
         self.aux_loss_scale = 1.0  # gradient of the balance loss per backward (``set_aux_loss_scale``)
         self.ep_timeout = DEFAULT_TIMEOUT  # seconds an expert all-to-all may wait (``set_timeout``)
 
     # ----- the four pieces -----------------------------------------------------------------------------
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan, torch.Tensor]:
-        """h (batch, seq, dim) -> (gate weights with the balance loss attached, ids, plan, rows to send)."""
+        """h (batch, seq, dim) -> (gate weights with the balance losses attached, ids, plan, rows to send)."""
         flat = h.flatten(0, 1)
         weights, indices, scores = self.gate(flat)
-        if self.training and self.balance_weight > 0 and torch.is_grad_enabled():
-            bal = sequence_balance_loss(scores, indices, h.size(0), self.topk)
-            self.balance_loss_sum += float(bal.detach())
-            self.balance_loss_count += 1
-            weights = AuxLoss.apply(weights, self.balance_weight * bal, self.aux_loss_scale)
-        plan = plan_dispatch(indices, self.n_experts, self.ep_group, self.ep_timeout)
+        if self.training and torch.is_grad_enabled():
+            weights = self._attach_balance_losses(weights, indices, scores, h.size(0))
+        keep = None
+        if self.capacity_factor > 0:
+            keep = capacity_keep(indices, weights, self.n_experts, self.capacity_factor, self.capacity_priority)
+            if self.training and torch.is_grad_enabled():
+                self.dropped_pairs += int((~keep).sum())
+                self.routed_pairs += keep.numel()
+        plan = plan_dispatch(indices, self.n_experts, self.ep_group, self.ep_timeout, keep=keep)
         return weights, indices, plan, flat[plan.token_of]
+
+    def _attach_balance_losses(self, weights: torch.Tensor, indices: torch.Tensor, scores: torch.Tensor,
+                               batch: int) -> torch.Tensor:
+        """α·sequence-wise + α_b·batch-wise loss, injected through ``AuxLoss`` (value sums are recorded)."""
+        total = None
+        if self.balance_weight > 0:
+            total = self.balance_weight * sequence_balance_loss(scores, indices, batch, self.topk)
+        if self.batch_balance_weight > 0:
+            term = self.batch_balance_weight * batch_balance_loss(scores, indices, self.topk, self.ep_group)
+            total = term if total is None else total + term
+        if total is None:
+            return weights
+        self.balance_loss_sum += float(total.detach())
+        self.balance_loss_count += 1
+        return AuxLoss.apply(weights, total, self.aux_loss_scale)
 
     def run_experts(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Received rows (rank-major) -> expert outputs in the same order."""
@@ -185,13 +221,18 @@ class MoE(nn.Module):
     def combine(rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, shared: torch.Tensor | None,
                 shape: torch.Size) -> torch.Tensor:
         """Returned rows (sorted by expert) -> weighted sum over each token's k experts (+ shared)."""
-        per_token = rows[plan.unsort].view(weights.size(0), weights.size(1), -1)
+        if plan.placed is not None:  # some pairs dropped: their expert output is zero
+            full = rows.new_zeros(weights.numel(), rows.size(-1)).index_copy(0, plan.placed, rows)
+            per_token = full.view(weights.size(0), weights.size(1), -1)
+        else:
+            per_token = rows[plan.unsort].view(weights.size(0), weights.size(1), -1)
         y = (per_token * weights.unsqueeze(-1).type_as(rows)).sum(1).view(shape)
         return y if shared is None else y + shared
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, _, plan, rows = self.route(h)
-        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch", self.ep_timeout)
+        send = fp8_all_to_all if self.fp8_dispatch else all_to_all
+        rows = send(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch", self.ep_timeout)
         rows = self.run_experts(rows, plan)
         rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group, "combine", self.ep_timeout)
         return self.combine(rows, weights, plan, self.shared(h), h.shape)
@@ -210,10 +251,20 @@ def update_expert_bias(module: nn.Module, speed: float | None = None) -> None:
     """
     for moe in moe_layers(module):
         gate = moe.gate
-        if gate.load.sum() > 0:
-            gamma = speed if speed is not None else moe.bias_update_speed
-            gate.bias += gamma * torch.sign(gate.load.mean() - gate.load)
+        gamma = speed if speed is not None else moe.bias_update_speed
+        if gate.load.sum() > 0 and gamma > 0:
+            bias_update(gate.bias, gate.load, gamma)
         gate.load.zero_()
+
+
+def dropped_fraction(module: nn.Module, reset: bool = True) -> tuple[int, int]:
+    """(dropped, routed) (token, expert) pairs over the MoE layers since the last reset (capacity only)."""
+    layers = moe_layers(module)
+    out = (sum(m.dropped_pairs for m in layers), sum(m.routed_pairs for m in layers))
+    if reset:
+        for m in layers:
+            m.dropped_pairs = m.routed_pairs = 0
+    return out
 
 
 def max_violation(module: nn.Module) -> float:

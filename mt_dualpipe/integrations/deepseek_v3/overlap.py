@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .expert_parallel import DEFAULT_TIMEOUT, backward_name, ep_size, start_all_to_all
+from .expert_parallel import DEFAULT_TIMEOUT, backward_name, ep_size, pack_fp8, start_all_to_all, unpack_fp8
 
 Steps = Generator[None, None, Any]
 
@@ -79,15 +79,18 @@ class Tape:
         return leaves[0] if single else leaves
 
     def exchange(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any,
-                 what: str = "exchange", timeout: float = DEFAULT_TIMEOUT) -> Callable[[], Any]:
+                 what: str = "exchange", timeout: float = DEFAULT_TIMEOUT, fp8: bool = False) -> Callable[[], Any]:
         """Post an all-to-all of ``x``'s rows; the returned callable waits (at most ``timeout`` s) and gives
-        the received leaf. ``what`` ("dispatch", "combine") names it in a timeout error."""
-        if ep_size(group) == 1:
+        the received leaf. ``what`` ("dispatch", "combine") names it in a timeout error. ``fp8``: the rows
+        travel as E4M3 + tile scales (``pack_fp8``), their gradient comes back in ``x``'s dtype."""
+        if ep_size(group) == 1 and not fp8:
             return lambda: x
-        wait = start_all_to_all(x.detach(), out_rows, in_rows, group, what, timeout)
+        wait = start_all_to_all(pack_fp8(x.detach()) if fp8 else x.detach(), out_rows, in_rows, group, what, timeout)
 
         def done() -> torch.Tensor:
             y = wait()
+            if fp8:
+                y = unpack_fp8(y, x.shape[1], x.dtype)
             if self.record and x.requires_grad:
                 y.requires_grad_()
                 self.records.append(("comm", x, y, out_rows, in_rows, group, what, timeout))

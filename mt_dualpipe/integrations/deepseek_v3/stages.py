@@ -200,7 +200,8 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
         return x1, h, weights, rows, plan
 
     x1, h, weights, rows, plan = tape.run(attention_and_route, x)
-    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch", moe.ep_timeout)
+    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch", moe.ep_timeout,
+                         fp8=moe.fp8_dispatch)
     yield
     rows, shared = tape.run(lambda r, h: (moe.run_experts(r, plan), moe.shared(h)), wait(), h)
     wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group, "combine", moe.ep_timeout)
@@ -212,8 +213,10 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
                  source: DeepSeekV3Model | None = None, indices: Sequence[int] | None = None,
                  ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True,
-                 checkpoint: Any = None, fp8: bool = False) -> list[DeepSeekV3Stage]:
+                 checkpoint: Any = None, fp8: bool = False, recompute: str = "none") -> list[DeepSeekV3Stage]:
     """The stage modules (all, or only ``indices``), weights copied from ``source`` when given.
+
+    ``recompute``: ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``).
 
     ``defer_weight_grads``: build the linears as ``DeferredLinear`` (the zero-bubble B/W split).
     ``checkpoint`` (a Hugging Face checkpoint folder or ``hf_checkpoint.Checkpoint``): each stage is
@@ -228,8 +231,9 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
         from .checkpoint import build_loaded, open_checkpoint
 
         ckpt = open_checkpoint(checkpoint)
-        return [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
-                             ckpt, config, fp8=fp8) for i in wanted]
+        stages = [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
+                               ckpt, config, fp8=fp8) for i in wanted]
+        return [_recomputed(st, recompute) for st in stages]
     stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads) for i in wanted]
     if source is not None:
         for st in stages:
@@ -239,7 +243,14 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
 
         for st in stages:
             convert_to_fp8(st)
-    return stages
+    return [_recomputed(st, recompute) for st in stages]
+
+
+def _recomputed(stage: DeepSeekV3Stage, policy: str) -> DeepSeekV3Stage:
+    from ..recompute import apply_recompute
+
+    apply_recompute(stage, policy)
+    return stage
 
 
 def dualpipe_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
@@ -262,8 +273,8 @@ def _check_rank(rank: int, num_ranks: int) -> None:
 def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: Sequence[int] | str | None = None,
                     *, source: DeepSeekV3Model | None = None,
                     ep_group: dist.ProcessGroup | None = None,
-                    defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False
-                    ) -> list[DeepSeekV3Stage]:
+                    defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False,
+                    recompute: str = "none") -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
     ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)."""
@@ -272,7 +283,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
         layout = balanced_layout(config, schedule.placement)
     wanted = [s for _, s in schedule.local_stages(rank)]
     return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
-                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8)
+                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute)
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage]):

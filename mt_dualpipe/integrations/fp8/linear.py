@@ -33,9 +33,10 @@ def _deferrable(param: torch.Tensor | None, wanted: bool) -> bool:
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                wq: QTensor, gemm: Gemm) -> torch.Tensor:
+                wq: QTensor, gemm: Gemm, xq: QTensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq = quantize_tiles(x.reshape(-1, x.shape[-1]))
+        if xq is None:
+            xq = quantize_tiles(x.reshape(-1, x.shape[-1]))
         y = gemm(xq, wq)
         if bias is not None:
             y = y + bias.float()
@@ -55,7 +56,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         if not (want_w or want_b):
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
 
         def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
             dw = db = None
@@ -69,10 +70,10 @@ class _FP8LinearFunction(torch.autograd.Function):
         store = WeightGradStore.active()
         if store is not None and _deferrable(weight, want_w) and _deferrable(bias, want_b):
             store.put_grads((weight, bias), weight_grads)
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
         dw, db = weight_grads()
         return (dx, None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None)
+                None if db is None else db.to(bias.dtype), None, None, None)
 
 
 class FP8Linear(nn.Linear):
@@ -143,11 +144,17 @@ class FP8Linear(nn.Linear):
         """The GEMM this layer runs on its weight's device: ``scaled_mm`` or ``emulated``."""
         return resolve_gemm(self.weight.device, self.backend)[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq: QTensor | None = None) -> torch.Tensor:
+        """``xq``: ``x`` already quantised in 1×128 tiles (``quantize_tiles`` of ``x`` as 2-D), e.g. shared by
+        the two up-projections of a SwiGLU, so the FP8 copy kept for the weight gradient is stored once."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear expects inputs with last dimension {self.in_features}, got {tuple(x.shape)}")
+        if xq is not None and (xq.kind != "tile" or xq.shape[0] != x.numel() // x.shape[-1]
+                               or xq.shape[1] != x.shape[-1]):
+            raise ValueError(f"xq must be the 1x128-tile quantisation of the input as 2-D "
+                             f"({x.numel() // x.shape[-1]} x {x.shape[-1]}), got {xq.kind} {tuple(xq.shape)}")
         _, gemm = resolve_gemm(x.device, self.backend)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.quantized_weight(), gemm)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.quantized_weight(), gemm, xq)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend}"

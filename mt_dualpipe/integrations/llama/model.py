@@ -60,15 +60,20 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(bsz, seq, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(bsz, seq, self.n_kv, self.head_dim)
-        cdt = compute_dtype(x)
-        cos, sin = rope_cos_sin(seq, self.config, cdt, x.device)
+        cos, sin = rope_cos_sin(seq, self.config, compute_dtype(x), x.device)
         q, k = apply_rope(q, cos, sin, interleave=False), apply_rope(k, cos, sin, interleave=False)
+        return self.o_proj(self.core(q, k, v))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Core attention (Megatron's term): K/V heads repeated per group, QKᵀ, causal softmax, ·V. The
+        ``"selective"`` recompute policy recomputes it in backward (its S×S probabilities dominate)."""
+        seq = q.size(1)
         group = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         scores = torch.einsum("bshd,bthd->bhst", q, k) * self.head_dim ** -0.5
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=cdt).type_as(x)
-        return self.o_proj(torch.einsum("bhst,bthd->bshd", probs, v).flatten(2))
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
+        return torch.einsum("bhst,bthd->bshd", probs, v).flatten(2)
 
 
 class LlamaMLP(nn.Module):
@@ -79,7 +84,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU product silu(gate)·up (recomputed in backward under the ``"selective"`` policy)."""
+        return F.silu(gate) * up
 
 
 class LlamaDecoderLayer(nn.Module):

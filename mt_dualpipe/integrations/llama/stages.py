@@ -100,10 +100,15 @@ class LlamaStage(nn.Module):
 
 def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | None = None, *,
                  source: nn.Module | None = None, indices: Sequence[int] | None = None,
-                 checkpoint: Any = None, fp8: bool = False, defer_weight_grads: bool = True) -> list[LlamaStage]:
+                 checkpoint: Any = None, fp8: bool = False, defer_weight_grads: bool = True,
+                 recompute: str = "none") -> list[LlamaStage]:
     """The stage modules (all, or ``indices``): weights from ``source``, or read per stage from a Hugging
     Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``fp8`` converts the
-    linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored)."""
+    linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored). ``recompute``:
+    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``)."""
+    from ..recompute import apply_recompute, check_policy
+
+    check_policy(recompute)
     if source is not None and checkpoint is not None:
         raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
     ids = stage_layer_ids(config, num_stages, layout)
@@ -116,7 +121,10 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
         from .checkpoint import build_loaded, open_checkpoint
 
         ckpt = open_checkpoint(checkpoint)
-        return [build_loaded(lambda i=i: make(i), ckpt, fp8=fp8) for i in wanted]
+        stages = [build_loaded(lambda i=i: make(i), ckpt, fp8=fp8) for i in wanted]
+        for st in stages:
+            apply_recompute(st, recompute)
+        return stages
     stages = [make(i) for i in wanted]
     for st in stages:
         if source is not None:
@@ -125,6 +133,7 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
             from ..fp8 import convert_to_fp8
 
             convert_to_fp8(st)
+        apply_recompute(st, recompute)
     return stages
 
 
@@ -132,7 +141,7 @@ def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Seque
                     **kwargs: Any) -> list[LlamaStage]:
     """This rank's stages for any schedule or placement, in ``local_stages(rank)`` order (what the runtime
     expects); mirrored chains (DualPipe) map chain c's stage s to model stage s. ``kwargs`` go to
-    ``build_stages`` (``source``, ``checkpoint``, ``fp8``, ``defer_weight_grads``)."""
+    ``build_stages`` (``source``, ``checkpoint``, ``fp8``, ``defer_weight_grads``, ``recompute``)."""
     num = schedule.num_stages(0) if callable(schedule.num_stages) else schedule.num_stages
     wanted = [s for _, s in schedule.local_stages(rank)]
     return build_stages(config, num, layout, indices=wanted, **kwargs)

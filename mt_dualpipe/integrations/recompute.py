@@ -1,0 +1,158 @@
+"""Activation recompute policies applied to pipeline stages when they are built.
+
+``"none"`` keeps every activation autograd saves. ``"selective"`` recomputes the cheap, memory-heavy
+pieces in backward: for DeepSeek-V3 the attention RMSNorm and MLA's down/up projections with their
+norms and RoPE (``Block.normed_qkv``: only the block input and the q/k/v that the attention core
+needs are kept; report §3.2.3), for Llama the core attention (``LlamaAttention.core``: QKᵀ, softmax,
+·V — its S×S probabilities dominate) and the SwiGLU product (``LlamaMLP.act``), as Megatron's
+selective recompute does. ``"full"`` keeps only each layer's input: the whole layer is recomputed
+(DeepSeek-V3 MoE layers: the attention sublayer and every expert and shared expert; the router and
+the dispatch/combine all-to-alls are never re-run, since they count loads and talk to other ranks).
+
+Each region runs under ``torch.utils.checkpoint(use_reentrant=False)``: the forward stores only the
+region's inputs, and the first backward node that unpacks a saved tensor of the region recomputes
+it — once, inside B. With the zero-bubble split the ``DeferredLinear`` / ``FP8Linear`` backward of
+B unpacks its input there and hands it to the queued weight-gradient closure, so W reuses the
+tensor B recomputed and never recomputes (those tensors then live from B until W). The policy is
+applied by replacing the bound method on the instance: parameter names, state dicts and the
+single-process reference stay unchanged, and every call path (plain forward, the tape of the
+overlapped F&B) goes through it. ``recompute_calls`` counts how often each region ran (forward +
+recompute), which is how the tests check "once in B, never in W".
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ("none", "selective", "full")
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; choose one of {POLICIES}")
+    return policy
+
+
+def recompute_method(module: nn.Module, name: str, counts: Counter | None = None, tag: str | None = None) -> None:
+    """Make ``module.<name>`` a recomputed region (checkpointed; ``counts[tag]`` += 1 per run)."""
+    original = getattr(module, name)
+    key = tag or f"{type(module).__name__}.{name}"
+
+    def counted(*args: Any) -> Any:
+        if counts is not None:
+            counts[key] += 1
+        return original(*args)
+
+    def region(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args)  # inference: nothing is saved, nothing to recompute
+        return checkpoint(counted, *args, use_reentrant=False)
+
+    setattr(module, name, region)
+
+
+def _deepseek_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+    from .deepseek_v3.model import Block
+    from .deepseek_v3.moe import MoE
+
+    for block in (m for m in stage.modules() if isinstance(m, Block)):
+        if policy == "selective":
+            yield block, "normed_qkv", "normed_qkv"
+        elif not isinstance(block.ffn, MoE):
+            yield block, "forward", "block"
+        else:
+            yield block, "attention", "attention"
+            for expert in block.ffn.experts.values():
+                yield expert, "forward", "expert"
+            if block.ffn.shared_experts is not None:
+                yield block.ffn.shared_experts, "forward", "shared_expert"
+
+
+def _llama_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+    from .llama.model import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    for m in stage.modules():
+        if policy == "full" and isinstance(m, LlamaDecoderLayer):
+            yield m, "forward", "layer"
+        elif policy == "selective" and isinstance(m, LlamaAttention):
+            yield m, "core", "core_attention"
+        elif policy == "selective" and isinstance(m, LlamaMLP):
+            yield m, "act", "swiglu"
+
+
+def apply_recompute(stage: nn.Module, policy: str) -> Counter:
+    """Apply ``policy`` to a DeepSeek-V3 or Llama stage (or whole model) in place; returns the counter of
+    region runs, also kept as ``stage.recompute_calls``."""
+    check_policy(policy)
+    counts: Counter = Counter()
+    stage.recompute_policy = policy
+    stage.recompute_calls = counts
+    if policy == "none":
+        return counts
+    targets = list(_deepseek_targets(stage, policy)) + list(_llama_targets(stage, policy))
+    if not targets:
+        raise ValueError(f"recompute policy {policy!r}: {type(stage).__name__} has no DeepSeek-V3 or Llama layer")
+    for module, name, tag in targets:
+        recompute_method(module, name, counts, tag)
+    return counts
+
+
+class SavedActivationMeter:
+    """Live and peak bytes of the tensors autograd saves for backward while active (this thread).
+
+    Storages are counted once however many saved tensors view them, from the moment a forward saves
+    them until the graph releases the last saved view. Tensors saved inside a recompute region are not
+    saved (the region keeps only its inputs), which is exactly the saving the policies buy; tensors a
+    region recomputes in B are transient and are not counted (the ones a deferred W keeps live until W).
+    """
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self._refs: dict[int, int] = {}
+        self._bytes: dict[int, int] = {}
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= self._bytes.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._bytes[key] = storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        box = _Box(t)
+        weakref.finalize(box, self._release, key)
+        return box
+
+    @staticmethod
+    def _unpack(box: Any) -> torch.Tensor:
+        return box.tensor
+
+    @contextmanager
+    def measure(self) -> Iterator[SavedActivationMeter]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+class _Box:
+    """What the graph holds for one saved tensor; its collection marks the tensor released."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
