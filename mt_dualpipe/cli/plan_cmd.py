@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                     "print the best. The cluster is a model: nothing is launched. Every configuration says "
                     "whether the runtime can launch it (column 'run', JSON 'runnable' with the reasons and "
                     "'launch' with pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute in the runtime's "
-                    "terms): today it runs recompute 'none' only, dp_mode allreduce (--zero 0) or zero1 "
+                    "terms): today it runs recompute none, selective and full, dp_mode allreduce (--zero 0) or zero1 "
                     "(--zero 1), tp 1. Unrunnable ones are marked, not hidden, unless --runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
                    "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
@@ -50,8 +50,8 @@ def register(subparsers) -> None:
     p.add_argument("--schedules", default=None, help="schedules to try, comma-separated (default: all hand ones)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
-                   help="activation recompute to model (default selective, DeepSeek-V3's; the runtime runs 'none' "
-                        "only for now, so other values are marked not runnable)")
+                   help="activation recompute to model (default selective, DeepSeek-V3's; the runtime applies each "
+                        "policy to DeepSeek-V3 and Llama stages)")
     p.add_argument("--runnable-only", action="store_true",
                    help="rank only configurations the runtime can launch (default: rank all, mark the others)")
     p.add_argument("--zero", type=int, choices=(0, 1), default=1, help="ZeRO stage for the optimizer state")

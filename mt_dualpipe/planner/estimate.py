@@ -19,7 +19,10 @@ the same simulator as everything else in this library. Around it:
 
 Costs of a stage: F = matmul FLOPs / matmul rate + core attention / attention rate;
 B = the input-gradient matmuls (same FLOPs as F's matmuls) + 2x core attention; W = the weight-
-gradient matmuls (same FLOPs again). All-to-all per MoE layer: dispatch (1 byte/element with FP8,
+gradient matmuls (same FLOPs again); ``Costs.recompute`` = the forward FLOPs the recompute policy
+re-runs (``Item.recompute_*``: selective = the recomputed pieces, full = the whole layer but the
+router), which the simulator adds once to each B/BW (W reuses what B recomputed).
+All-to-all per MoE layer: dispatch (1 byte/element with FP8,
 else 2) and combine (2 bytes), each top-k copy crossing NVLink, and the node-deduplicated copies
 crossing InfiniBand when the expert-parallel group spans nodes; forward and backward move the same
 bytes. The point-to-point hop sends one micro-batch's hidden states.
@@ -60,6 +63,8 @@ class Strategy:
     virtual_stages: int = 1        # chunks per rank for interleaved-1f1b
     layers_per_stage: tuple[int, ...] | None = None  # decoder layers per stage (default: balanced by compute)
     placement: str = ""            # for schedule "auto": linear, v or dual
+    attention: str = "fused"       # core attention saving: "fused" (flash-style, production GPUs) or "eager"
+    #                                (the integrations' einsum core, S x S probabilities saved)
 
     @property
     def gpus(self) -> int:
@@ -161,7 +166,8 @@ def partition(weights: list[float], parts: int) -> list[int]:
 def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> list[list[Item]]:
     """The model's items cut into the chain's stages, balanced by F+B+W time."""
     items = model.items(strategy.seq_len, ACT_UNIT[strategy.dtype], strategy.recompute,
-                        elem=4.0 if strategy.dtype == "fp32" else 2.0)
+                        elem=4.0 if strategy.dtype == "fp32" else 2.0, micro_batch_size=strategy.micro_batch_size,
+                        attention=strategy.attention)
     tokens = strategy.seq_len * strategy.micro_batch_size
     stages = num_stages(strategy)
     if strategy.layers_per_stage is not None:
@@ -223,19 +229,21 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
     mm_rate = system.tflops(strategy.dtype) * 1e12 * system.mm_efficiency
     attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
     a2a = a2a_time(model, strategy, system, tokens)
-    f, b, w, af = [], [], [], []
+    f, b, w, af, rc = [], [], [], [], []
     for group in stages:
         mm = sum(i.mm_flops for i in group) * tokens / mm_rate
         at = sum(i.attn_flops for i in group) * tokens / attn_rate
-        recompute = mm + at if strategy.recompute == "full" else 0.0
         f.append(mm + at)
-        b.append(mm + 2 * at + recompute)
+        b.append(mm + 2 * at)
         w.append(mm)
         af.append(a2a * sum(1 for i in group if i.moe))
+        rc.append(sum(i.recompute_mm_flops for i in group) * tokens / mm_rate
+                  + sum(i.recompute_attn_flops for i in group) * tokens / attn_rate)
     across = strategy.dp >= system.gpus_per_node  # pipeline neighbours sit in different nodes
     bw, lat = system.link(across)
     hop = tokens * model.hidden_size * 2 / bw + lat
-    return Costs(f=f, b=b, w=w, comm=hop, a2a_f=af, a2a_b=list(af))
+    # the recomputed forward: the simulator adds it once to each B / BW and to the B half of an FB
+    return Costs(f=f, b=b, w=w, comm=hop, a2a_f=af, a2a_b=list(af), recompute=rc if any(rc) else 0.0)
 
 
 # ----- memory ------------------------------------------------------------------------------------

@@ -26,6 +26,18 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from ..schedules.errors import ScheduleError
+from .activations import (
+    INDEX,
+    Attention,
+    Dtypes,
+    Moe,
+    attention_kind,
+    attention_saved,
+    dense_ffn_saved,
+    head_saved,
+    moe_saved,
+    mtp_extra_saved,
+)
 
 MODELS_DIR = Path(__file__).parent / "models"
 MODEL_ALIASES = {"deepseek-v3": "deepseek_v3_671b", "deepseek-v3-671b": "deepseek_v3_671b",
@@ -65,6 +77,8 @@ class Item:
     attn_flops: float        # forward core-attention FLOPs per token (at the full sequence length)
     act_bytes: float         # bytes saved for the backward per token
     moe: bool = False
+    recompute_mm_flops: float = 0.0    # forward matmul FLOPs per token re-run in B by the recompute policy
+    recompute_attn_flops: float = 0.0  # forward core-attention FLOPs per token re-run in B
 
 
 @dataclass
@@ -176,6 +190,13 @@ class ModelSpec:
                    qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
                    v_head_dim=cfg.v_head_dim, mtp_depth=cfg.mtp_depth)
 
+    @classmethod
+    def from_llama_config(cls, cfg: object) -> ModelSpec:
+        """From ``mt_dualpipe.integrations.llama.LlamaConfig`` (duck-typed, no torch import)."""
+        return cls(name="llama", hidden_size=cfg.hidden_size, head_num=cfg.num_attention_heads,
+                   layer_num=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
+                   attention_type="gqa", kv_head_num=cfg.num_key_value_heads, head_size=cfg.dim_per_head)
+
     # ----- shapes ---------------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
@@ -206,57 +227,79 @@ class ModelSpec:
     def moe_layer(self, layer_id: int) -> bool:
         return self.is_moe and layer_id >= self.dense_layers
 
-    def layer_item(self, layer_id: int, seq_len: int, act_unit: float, recompute: str, elem: float = 2.0) -> Item:
+    def attention_shape(self) -> Attention:
+        dqk, dv = self._dims()
+        if self.attention_type == "mla":
+            return Attention("mla", self.hidden_size, self.head_num, self.head_num, dqk, dv, self.q_lora_rank,
+                             self.kv_lora_rank, self.qk_pos_emb_head_dim)
+        return Attention("gqa", self.hidden_size, self.head_num, self.kv_head_num or self.head_num, dqk, dv)
+
+    def selective_mm_flops(self) -> float:
+        """Matmul FLOPs per token that ``"selective"`` recomputes: MLA's down/up projections (DeepSeek-V3);
+        nothing for other attention, whose recomputed core attention counts as attention FLOPs."""
+        if self.attention_type != "mla":
+            return 0.0
+        h, n = self.hidden_size, self.head_num
+        dqk, dv = self._dims()
+        q = h * self.q_lora_rank + self.q_lora_rank * n * dqk if self.q_lora_rank else h * n * dqk
+        kv = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * n * (self.qk_head_dim + dv)
+        return 2 * (q + kv)
+
+    def layer_item(self, layer_id: int, seq_len: int, act_unit: float, recompute: str, elem: float = 2.0,
+                   micro_batch_size: int = 1, attention: str = "eager") -> Item:
         """One decoder layer. ``act_unit``: bytes per cached linear-input element (2 bf16, 1 FP8);
-        ``elem``: bytes of the other saved elements (2 bf16, 4 fp32)."""
+        ``elem``: bytes of the other saved elements (2 bf16, 4 fp32); ``attention``: "eager" (the
+        integrations' einsum core, probabilities saved) or "fused" (flash-style). Saved bytes per token
+        follow ``planner/activations.py``; ``recompute_*`` are the forward FLOPs the policy re-runs in B."""
         h, n = self.hidden_size, self.head_num
         dqk, dv = self._dims()
         attn_p = self.attention_params()
         attn_mm = 2 * (attn_p - h)
         attn_core = n * seq_len * (dqk + dv)  # causal: half of 2*s*(dqk+dv) per head and token
-        # saved per token (DeepSeek-style "selective": norms and up-projections recomputed, linear
-        # inputs cached in ``act_unit`` bytes): residual input, latents, attention output, softmax stats
-        latent = (self.q_lora_rank + self.kv_lora_rank + self.qk_pos_emb_head_dim) if self.attention_type == "mla" \
-            else 0
-        attn_act = elem * h + latent * act_unit + n * dv * act_unit + n * 4
-        if recompute == "none":  # eager: also the norm output, q, k, v, their RoPE copies and the probabilities
-            attn_act += elem * h + n * (3 * dqk + dv) * elem + n * seq_len * elem
+        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem), fused_attention=attention_kind(attention))
+        act = attention_saved(self.attention_shape(), seq_len, micro_batch_size, t, recompute)
+        mla = self.attention_type == "mla"
         if self.moe_layer(layer_id):
             ffn, k = self.moe_ffn_hidden_size, self.topk
             shared = self.moe_shared_expert_intermediate_size
             expert_p = self.expert_num * self.mlp_params(ffn)
+            router = 2 * h * self.expert_num
             dense_p = self.mlp_params(shared) + h * self.expert_num + h
-            mm = 2 * (k * self.mlp_params(ffn) + self.mlp_params(shared) + h * self.expert_num)
-            # residual, router probabilities, dispatched tokens (the experts' inputs), SwiGLU inputs
-            mlp_act = elem * h + self.expert_num * 4 + k * h * act_unit + (k * ffn + shared) * 2 * act_unit
-            if recompute == "none":  # also the norm output, SwiGLU's two products and expert outputs (combine)
-                mlp_act += elem * h + (k * ffn + shared) * 2 * act_unit + k * h * act_unit
-            item = Item(f"layer{layer_id}", attn_p + dense_p, expert_p, attn_mm + mm, attn_core, 0.0, True)
+            mm = 2 * (k * self.mlp_params(ffn) + self.mlp_params(shared)) + router
+            act += moe_saved(Moe(h, self.expert_num, k, ffn, shared), t, recompute)
+            params, moe = (attn_p + dense_p, expert_p), True
         else:
-            ffn = self.intermediate_size
-            mm = 2 * self.mlp_params(ffn)
-            mlp_act = elem * h + h * act_unit + ffn * 2 * act_unit
-            if recompute == "none":
-                mlp_act += elem * h + ffn * 2 * act_unit
-            item = Item(f"layer{layer_id}", attn_p + self.mlp_params(ffn) + h, 0.0, attn_mm + mm, attn_core, 0.0)
-        act = (attn_act + mlp_act) if recompute != "full" else elem * h
-        return Item(item.name, item.params, item.expert_params, item.mm_flops, item.attn_flops, act, item.moe)
+            mm, router = 2 * self.mlp_params(self.intermediate_size), 0.0
+            act += dense_ffn_saved(h, self.intermediate_size, t, recompute,
+                                   product_recomputed=not mla and recompute == "selective")
+            params, moe = (attn_p + self.mlp_params(self.intermediate_size) + h, 0.0), False
+        re_mm, re_attn = 0.0, 0.0
+        if recompute == "full":  # everything but the router (the all-to-alls are not compute)
+            re_mm, re_attn = attn_mm + mm - router, attn_core
+        elif recompute == "selective":
+            re_mm, re_attn = (self.selective_mm_flops(), 0.0) if mla else (0.0, attn_core)
+        return Item(f"layer{layer_id}", params[0], params[1], attn_mm + mm, attn_core, act, moe, re_mm, re_attn)
 
-    def items(self, seq_len: int, act_unit: float = 2.0, recompute: str = "selective", elem: float = 2.0
-              ) -> list[Item]:
+    def items(self, seq_len: int, act_unit: float = 2.0, recompute: str = "selective", elem: float = 2.0,
+              micro_batch_size: int = 1, attention: str = "eager") -> list[Item]:
         """Embedding, the decoder layers, then the head (+ MTP modules), in pipeline order."""
         if recompute not in ("none", "selective", "full"):
             raise ScheduleError(f"recompute must be none, selective or full, got {recompute!r}")
         h, V = self.hidden_size, self.vocab_size
-        out = [Item("embedding", V * h, 0.0, 0.0, 0.0, elem * h)]
-        out += [self.layer_item(i, seq_len, act_unit, recompute, elem) for i in range(self.layer_num)]
-        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, elem * (h + 2 * V))  # norm in, logits, log-probs
+        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem))
+        out = [Item("embedding", V * h, 0.0, 0.0, 0.0, INDEX)]  # the token ids
+        out += [self.layer_item(i, seq_len, act_unit, recompute, elem, micro_batch_size, attention)
+                for i in range(self.layer_num)]
+        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t))
         for d in range(self.mtp_depth):  # projection of [h; emb] and one more (MoE) block, the shared head
-            block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem)
+            block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem, micro_batch_size,
+                                    attention)
             proj = 2 * h * h + 3 * h  # the [h; emb] projection and its two input norms + the output norm
             head = Item("head+mtp", head.params + proj + block.params, head.expert_params + block.expert_params,
                         head.mm_flops + 2 * proj + block.mm_flops + 2 * V * h, head.attn_flops + block.attn_flops,
-                        head.act_bytes + block.act_bytes + elem * (3 * h + 2 * V), True)
+                        head.act_bytes + block.act_bytes + mtp_extra_saved(h, V, t), True,
+                        head.recompute_mm_flops + block.recompute_mm_flops,
+                        head.recompute_attn_flops + block.recompute_attn_flops)
         out.append(head)
         return out
 

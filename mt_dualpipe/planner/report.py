@@ -67,7 +67,7 @@ def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
     if not result.ranked:
         console.print(f"{model_title(result.model)}: no configuration fits in {result.system.gpu_memory_gb:g} GB "
                       f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out"
-                      + (f", {result.not_runnable} not runnable left out: see --recompute none"
+                      + (f", {result.not_runnable} not runnable left out (JSON 'unrunnable' says why)"
                          if result.not_runnable else "") + ")")
     else:
         console.print(plan_table(result, top))

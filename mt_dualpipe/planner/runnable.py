@@ -1,7 +1,9 @@
 """What the runtime can launch today, and the launch knobs of a planned configuration.
 
-The planner models more than the runtime runs: it estimates recompute (issue 14 adds it to the
-runtime) and could model tensor parallelism. A configuration is offered as *runnable* only when
+The planner models more than the runtime runs: it could model tensor parallelism, which the
+runtime does not launch. Recompute none / selective / full is applied by the DeepSeek-V3 and Llama
+integrations when their stages are built (``integrations/recompute.py``), so every policy the planner
+estimates is runnable. A configuration is offered as *runnable* only when
 every knob it needs is one the runtime has; otherwise it carries the reasons, so ``mt-dualpipe
 plan`` marks it (or leaves it out with ``--runnable-only``) instead of recommending what cannot be
 launched. When the runtime gains a knob, widen the tuple here: nothing else needs to change.
@@ -22,8 +24,8 @@ if TYPE_CHECKING:
 
 RUNTIME_DP_MODES: tuple[str, ...] = ("allreduce", "zero1")
 """``mt_dualpipe.parallel.MODES``: the data-parallel modes ``GradSync`` runs (a test keeps them equal)."""
-RUNTIME_RECOMPUTE: tuple[str, ...] = ("none",)
-"""Recompute policies the runtime's stages apply: none yet (issue 14 adds selective and full)."""
+RUNTIME_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+"""Recompute policies the runtime's stages apply (``integrations.recompute.POLICIES``; a test keeps them equal)."""
 RUNTIME_TP: tuple[int, ...] = (1,)
 """Tensor-parallel sizes the launch path runs (the planner models tp = 1 only)."""
 
@@ -49,8 +51,11 @@ def unrunnable_reasons(strategy: Strategy) -> list[str]:
     """Why the runtime cannot launch ``strategy`` (empty when it can)."""
     out = []
     if strategy.recompute not in RUNTIME_RECOMPUTE:
-        out.append(f"recompute {strategy.recompute!r} is not in the runtime yet (issue 14; runnable: "
+        out.append(f"recompute {strategy.recompute!r} is not applied by the runtime's stages (runnable: "
                    f"{', '.join(RUNTIME_RECOMPUTE)})")
+    tp = getattr(strategy, "tp", 1)  # the planner models tp = 1; a strategy that carries a tp is checked
+    if tp not in RUNTIME_TP:
+        out.append(f"tp {tp} is not launched by the runtime (runnable: {', '.join(map(str, RUNTIME_TP))})")
     if dp_mode(strategy) not in RUNTIME_DP_MODES:
         out.append(f"dp_mode {dp_mode(strategy)!r} is not run by the runtime (runnable: {', '.join(RUNTIME_DP_MODES)})")
     return out

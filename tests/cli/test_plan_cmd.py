@@ -10,7 +10,7 @@ from mt_dualpipe.cli import main
 def test_cli_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", "deepseek-v3", "--gpus", "512", "--global-batch", "1024", "--pp", "16",
-               "--gpu-memory", "80GB", "--gpu-tflops", "989", "--net-gbps", "400", "--dtype", "fp8",
+               "--gpu-memory", "256GB", "--gpu-tflops", "989", "--net-gbps", "400", "--dtype", "fp8",
                "--top", "3", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -26,7 +26,8 @@ def test_cli_plan_strategy_json(tmp_path, capsys):
     strat = tmp_path / "s.json"
     strat.write_text(json.dumps({"seq_len": 4096, "micro_batch_size": 1, "tp_size": 1, "pp_size": 16, "ep_size": 64,
                                  "zero_state": 1, "dtype": "fp8"}))
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat), "--top", "3"])
+    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat), "--top", "3",
+               "--gpu-memory", "256GB"])
     assert rc == 0
     assert "ranks" in capsys.readouterr().out
     strat.write_text(json.dumps({"tp_size": 8}))
@@ -49,7 +50,7 @@ def test_cli_plan_names_the_model_file_and_its_size(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert f"llama2-7b ({path}, 6.74 B parameters) on 16 x h800" in out.replace("\n", " ").replace("  ", " ")
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--pp", "16", "--top", "1"])
+    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--pp", "16", "--top", "1", "--gpu-memory", "256GB"])
     out = capsys.readouterr().out
     assert rc == 0 and "deepseek_v3_671b (deepseek_v3_671b.json, 671.03 B parameters) on 2048" in out
 
@@ -67,14 +68,13 @@ def test_cli_plan_refuses_an_unknown_model_key(tmp_path, capsys):
 def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "deepseek-v3", "--gpus", "512", "--global-batch", "1024", "--pp", "16", "--ep", "8,32",
-            "--dtype", "fp8", "--schedules", "dualpipe,zbv", "--top", "3", "--gpu-memory", "141GB"]
+            "--dtype", "fp8", "--schedules", "dualpipe,zbv", "--top", "3", "--gpu-memory", "256GB"]
     assert main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if "schedule" in line and "mem GB" in line)
     assert [c.strip() for c in header.strip("┃").split("┃")][-1] == "run"
     rows = [line for line in text.splitlines() if line.startswith("│")]
-    assert len(rows) == 3 and all(line.rstrip("│ ").endswith("no: recompute") for line in rows)
-    assert "run no: the runtime cannot launch it yet — recompute 'selective' is not in the runtime yet" in text
+    assert len(rows) == 3 and all(line.rstrip("│ ").endswith("yes") for line in rows)  # selective recompute runs
     data = json.loads(out.read_text())
     for c in data["configurations"]:
         launch = c["launch"]
@@ -83,7 +83,7 @@ def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, c
         assert launch["pp"] * launch["dp"] * launch["ep"] * launch["tp"] == 512
         assert (launch["dp"] * launch["ep"], launch["schedule"], launch["microbatches"]) == \
             (c["dp"], c["schedule"], c["num_microbatches"])
-        assert (launch["dp_mode"], launch["recompute"], c["runnable"]) == ("zero1", "selective", False)
+        assert (launch["dp_mode"], launch["recompute"], c["runnable"]) == ("zero1", "selective", True)
     # --runnable-only with a recompute the runtime has: every row runnable, all-reduce for --zero 0
     assert main([*args, "--recompute", "none", "--zero", "0", "--runnable-only", "--json", str(out)]) in (0, 1)
     text = capsys.readouterr().out
@@ -91,10 +91,9 @@ def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, c
     assert all(c["runnable"] and c["launch"]["dp_mode"] == "allreduce" for c in data["configurations"]
                + data["over_memory"])
     assert "no: " not in text
-    # --runnable-only with selective recompute: nothing is offered, and the reason is said
-    assert main([*args, "--runnable-only"]) == 1
-    text = " ".join(capsys.readouterr().out.split())
-    assert "not runnable left out: see --recompute none" in text
+    # --runnable-only with selective recompute: the runtime has it, so the same rows are offered
+    assert main([*args, "--runnable-only"]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]) == 3
 
 
 def test_cli_plan_help_documents_runnability(capsys):
@@ -104,4 +103,5 @@ def test_cli_plan_help_documents_runnability(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--runnable-only rank only configurations the runtime can launch" in text
-    assert "today it runs recompute 'none' only, dp_mode allreduce (--zero 0) or zero1 (--zero 1), tp 1" in text
+    assert "today it runs recompute none, selective and full, dp_mode allreduce (--zero 0) or zero1 (--zero 1), " \
+        "tp 1" in text

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate, plan
+from mt_dualpipe.planner import runnable as runnable_module
 from mt_dualpipe.planner.dp_sync import param_gather_time, stage_sync_times
 from mt_dualpipe.planner.estimate import stage_items
-from mt_dualpipe.planner.runnable import RUNTIME_DP_MODES, launch
+from mt_dualpipe.planner.runnable import RUNTIME_DP_MODES, RUNTIME_RECOMPUTE, launch, short_reason, unrunnable_reasons
 from mt_dualpipe.schedules import Costs, add_grad_reduction, build_schedule, simulate
 
 H800 = PRESETS["h800"]
@@ -113,8 +114,9 @@ def test_launch_tuple_in_the_runtimes_terms(v3):
                            "micro_batch_size": 1}
     L = d["launch"]
     assert L["pp"] * L["dp"] * L["ep"] * L["tp"] == st.gpus == 2048
-    assert d["runnable"] is False
-    assert d["unrunnable"] == ["recompute 'selective' is not in the runtime yet (issue 14; runnable: none)"]
+    assert d["runnable"] is True and d["unrunnable"] == []  # the runtime applies selective recompute
+    for policy in ("none", "full"):
+        assert estimate(v3, H800, replace(st, recompute=policy)).runnable
     ok = replace(st, recompute="none", zero=0, schedule="interleaved-1f1b", virtual_stages=2)
     assert launch(ok)["dp_mode"] == "allreduce" and launch(ok)["schedule_options"] == {"virtual_stages": 2}
     e = estimate(v3, H800, replace(ok, num_microbatches=32))
@@ -123,20 +125,38 @@ def test_launch_tuple_in_the_runtimes_terms(v3):
 
 def test_runtime_modes_are_the_parallel_packages():
     pytest.importorskip("torch")
+    from mt_dualpipe.integrations.recompute import POLICIES
     from mt_dualpipe.parallel import MODES
 
     assert RUNTIME_DP_MODES == tuple(MODES)
+    assert RUNTIME_RECOMPUTE == POLICIES
 
 
-def test_plan_marks_or_leaves_out_what_the_runtime_cannot_run(v3):
+def test_tensor_parallel_stays_unrunnable():
+    @dataclass(frozen=True)
+    class WithTp:  # a strategy that carries a tensor-parallel size (the planner's own are tp = 1)
+        tp: int
+        recompute: str = "full"
+        zero: int = 1
+
+    assert unrunnable_reasons(WithTp(1)) == []
+    assert unrunnable_reasons(WithTp(2)) == ["tp 2 is not launched by the runtime (runnable: 1)"]
+    assert short_reason(unrunnable_reasons(WithTp(4))) == "no: tp"
+
+
+def test_plan_marks_or_leaves_out_what_the_runtime_cannot_run(v3, monkeypatch):
+    # every recompute policy runs now: narrow the runtime's list to exercise the marking and the filter
+    monkeypatch.setattr(runnable_module, "RUNTIME_RECOMPUTE", ("none",))
+    assert unrunnable_reasons(Strategy(16, "dualpipe", 32, recompute="selective")) == [
+        "recompute 'selective' is not applied by the runtime's stages (runnable: none)"]
     opts = {"pp": [16], "ep": [8, 32], "dtype": "fp8", "schedules": ("dualpipe", "zbv")}
-    marked = plan(v3, H800, 512, 1024, recompute="selective", **opts)
+    marked = plan(v3, H800.replace(gpu_memory_gb=256), 512, 1024, recompute="selective", **opts)
     assert marked.ranked and all(not e.runnable for e in marked.ranked + marked.rejected)
     assert marked.not_runnable == 0
-    left = plan(v3, H800, 512, 1024, recompute="selective", runnable_only=True, **opts)
+    left = plan(v3, H800.replace(gpu_memory_gb=256), 512, 1024, recompute="selective", runnable_only=True, **opts)
     assert left.ranked == [] and left.rejected == []
     assert left.not_runnable == len(marked.ranked) + len(marked.rejected)
     assert left.to_dict()["not_runnable_left_out"] == left.not_runnable
-    runnable = plan(v3, H800, 512, 1024, recompute="none", runnable_only=True, **opts)
+    runnable = plan(v3, H800.replace(gpu_memory_gb=256), 512, 1024, recompute="none", runnable_only=True, **opts)
     assert runnable.not_runnable == 0 and all(e.runnable for e in runnable.ranked + runnable.rejected)
     assert len(runnable.ranked) + len(runnable.rejected) == len(marked.ranked) + len(marked.rejected)

@@ -48,7 +48,7 @@ def test_memory_estimate_within_10_percent_of_runtime_peak():
     got = run_ranks(_rank, P, timeout=240)
     layers = tuple(ds.parse_layout(cfg, P))
     st = Strategy(P, "1f1b", M, ep=1, dp=1, micro_batch_size=1, seq_len=SEQ, zero=0, dtype="fp32",
-                  recompute="none", layers_per_stage=layers)
+                  recompute="none", layers_per_stage=layers, attention="eager")
     est = estimate(ModelSpec.from_deepseek_config(cfg), PRESETS["h100"], st)
     for r, rec in enumerate(got):
         assert rec["peak"] == P - r  # 1F1B: P - r micro-batches in flight on rank r

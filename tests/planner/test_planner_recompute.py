@@ -1,0 +1,118 @@
+"""Recompute in the planner: saved bytes per policy against what the tiny models really save (measured with
+``SavedActivationMeter``), and the recomputed forward charged through ``Costs.recompute``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate
+from mt_dualpipe.planner.estimate import stage_costs, stage_items
+from mt_dualpipe.schedules import build_schedule
+from mt_dualpipe.schedules.errors import ScheduleError
+from mt_dualpipe.schedules.simulate import run_schedule
+
+H100 = PRESETS["h100"]
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "llama"])
+def test_saved_bytes_estimate_within_10_percent_per_layer_and_stage(kind):
+    torch = pytest.importorskip("torch")
+    from tests.helpers.saved_bytes import table
+
+    torch.set_num_threads(1)
+    rows = table((kind,))
+    pieces = {piece for _, _, piece, *_ in rows}
+    assert pieces == ({"stage0", "stage1", "dense", "moe"} if kind == "deepseek" else {"stage0", "stage1", "layer"})
+    acts = {}
+    for _, policy, piece, peak, params, planned in rows:
+        got = peak - params  # weights autograd references (norm weights, a plain head) are not activations
+        assert params < 0.3 * peak, (policy, piece, peak, params)
+        assert planned == pytest.approx(got, rel=0.10), (policy, piece, got, planned)
+        acts[policy, piece] = got
+    for piece in pieces:  # each policy really saves less
+        assert acts["full", piece] <= acts["selective", piece] < acts["none", piece]
+
+
+def _items(model, **kw):
+    return model.items(4096, 1.0, elem=2.0, **kw)
+
+
+def test_attention_kind_and_microbatch_change_only_the_core_terms():
+    v3 = ModelSpec.load("deepseek-v3")
+    h, n, s = v3.hidden_size, v3.head_num, 4096
+    eager, fused = _items(v3, recompute="selective"), _items(v3, recompute="selective", attention="fused")
+    # MLA selective, one sequence: eager keeps S probabilities per head in fp32 and bf16, the bool mask and the
+    # whole k_nope|v buffer; fused keeps v alone and one fp32 log-sum-exp per head
+    k_nope = n * v3.qk_head_dim * 2
+    assert eager[1].act_bytes - fused[1].act_bytes == n * s * (4 + 2) + s + k_nope - n * 4
+    two = _items(v3, recompute="selective", micro_batch_size=2)
+    assert eager[1].act_bytes - two[1].act_bytes == s / 2 + k_nope  # mask per sequence; v copied out
+    full = _items(v3, recompute="full")
+    assert full[1].act_bytes == h * 2  # a dense layer keeps its input only
+    with pytest.raises(ScheduleError, match="attention must be one of eager, fused, got 'flash'"):
+        _items(v3, recompute="none", attention="flash")
+
+
+def _costs(model, strategy):
+    return stage_costs(model, strategy, H100, stage_items(model, strategy, H100))
+
+
+def _rates(strategy):
+    mm = H100.tflops(strategy.dtype) * 1e12 * H100.mm_efficiency
+    attn = H100.tflops_bf16 * 1e12 * H100.attn_efficiency
+    return mm, attn
+
+
+@pytest.mark.parametrize("model_name", ["deepseek-v3", "llama"])
+def test_recompute_none_keeps_the_time_model_and_others_charge_costs_recompute(model_name):
+    if model_name == "llama":
+        model = ModelSpec(name="llama", hidden_size=1024, head_num=16, layer_num=8, vocab_size=32000,
+                          intermediate_size=2816, kv_head_num=4)
+        st = Strategy(4, "zb-h1", 8, seq_len=2048, zero=0, layers_per_stage=(2, 2, 2, 2))
+    else:
+        model = ModelSpec.load("deepseek-v3")
+        st = Strategy(8, "dualpipev", 16, ep=8, dp=8, dtype="fp8")
+    mm_rate, attn_rate = _rates(st)
+    tokens = st.seq_len * st.micro_batch_size
+    none = _costs(model, replace(st, recompute="none"))
+    stages = stage_items(model, replace(st, recompute="none"), H100)
+    # recompute none: F, B, W straight from the FLOPs, nothing recomputed (the figures of before recompute)
+    assert none.recompute == 0.0
+    for s, group in enumerate(stages):
+        mm = sum(i.mm_flops for i in group) * tokens / mm_rate
+        at = sum(i.attn_flops for i in group) * tokens / attn_rate
+        assert (none.f[s], none.b[s], none.w[s]) == (mm + at, mm + 2 * at, mm)
+    for policy in ("selective", "full"):
+        costs = _costs(model, replace(st, recompute=policy))
+        assert (costs.f, costs.b, costs.w) == (none.f, none.b, none.w)  # the recompute is not folded into B
+        for s, group in enumerate(stages):
+            layers = [i for i in group if i.name.startswith("layer")]
+            if group[-1].name.startswith("head"):  # the MTP blocks recompute like layers
+                layers += [model.layer_item(model.layer_num + d, st.seq_len, 1.0, policy)
+                           for d in range(model.mtp_depth)]
+            at = sum(i.attn_flops for i in layers) * tokens / attn_rate
+            if policy == "full":  # every layer's forward but the router
+                router = sum(2 * model.hidden_size * model.expert_num for i in layers if i.moe)
+                want = (sum(i.mm_flops for i in layers) - router) * tokens / mm_rate + at
+            elif model.attention_type == "mla":  # MLA's projections, no attention core
+                want = len(layers) * model.selective_mm_flops() * tokens / mm_rate
+            else:  # Megatron's selective: the core attention
+                want = at
+            assert costs.recompute[s] == pytest.approx(want, rel=1e-12), (policy, s)
+            assert costs.recompute[s] > 0 or not layers
+        sched = build_schedule(st.schedule, st.pp, st.num_microbatches)
+        slower = run_schedule(sched, costs, record=False).makespan
+        assert slower > run_schedule(sched, none, record=False).makespan
+
+
+def test_estimate_step_time_grows_by_the_recomputed_forward_only():
+    v3 = ModelSpec.load("deepseek-v3")
+    big = H100.replace(gpu_memory_gb=1000)
+    st = Strategy(8, "dualpipev", 16, ep=8, dp=8, dtype="fp8")
+    times = {p: estimate(v3, big, replace(st, recompute=p)).pipeline_time for p in ("none", "selective", "full")}
+    assert times["none"] < times["selective"] < times["full"]
+    mem = {p: estimate(v3, big, replace(st, recompute=p)).memory_gb["activations"] for p in ("none", "selective",
+                                                                                             "full")}
+    assert mem["full"] < mem["selective"] < mem["none"]
