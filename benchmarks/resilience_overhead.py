@@ -17,7 +17,12 @@ training for the same cores; on a GPU node it runs on otherwise idle host cores.
 
 Target (issue 7): overhead < 5 % at snapshot_every = 10.
 
+``--agreement-ranks N`` first measures the per-step agreement on N gloo ranks (Rewind over a 1F1B
+``Pipeline``): the time the training thread waits for the verdict exchange, with the optimizer
+step overlapping it (the default) and after it (``overlap_optimizer=False``, the old order).
+
     python benchmarks/resilience_overhead.py [--steps 20] [--rounds 3] [--snapshot-every 10] [--device cpu]
+                                             [--agreement-ranks 2]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -78,11 +84,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, default 64")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--agreement-ranks", type=int, default=0,
+                   help="also measure the per-step agreement on this many gloo ranks (0: off)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     console = Console(width=150)
+    if args.agreement_ranks:
+        agreement_cost(args.agreement_ranks, args.steps, args.rounds, console)
 
     pipe, opt, criterion, batch_fn = _setup(args, device)
 
@@ -148,6 +158,74 @@ def main(argv: list[str] | None = None) -> None:
                   f"(= {snap_ms / n / (base * 1e3) * 100:.2f} % of a step amortized over {n} steps); starting an "
                   f"async checkpoint: {start_ms:.1f} ms on the training thread; writing it: "
                   f"{statistics.median(write_times) * 1e3:.0f} ms in the background; mode: {ckpt.checkpoint_mode}")
+
+
+# ----- the per-step agreement on several ranks ------------------------------------------------------
+def _agreement_worker(rank: int, world: int, port: int, steps: int, rounds: int, out: Any) -> None:
+    """Rewind over a 1F1B Pipeline of MLP stages; per round, ``steps`` steps with the optimizer step
+    overlapping the agreement and ``steps`` without (interleaved, so load slows both alike)."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from mt_dualpipe import Pipeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(rank)
+    pipe = Pipeline([nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])], "1f1b", timeout=60)
+    opt = torch.optim.Adam(pipe.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 256, generator=g), torch.randn(32, 256, generator=g)
+
+    def batch(pos: int) -> dict:
+        return {"inputs": (x,)} if rank == 0 else {"labels": (y,)} if rank == world - 1 else {}
+
+    rws = {mode: Rewind(pipe, opt, num_chunks=4, criterion=nn.functional.mse_loss, snapshot_every=10**6,
+                        spike_zscore=None, overlap_optimizer=mode == "overlapped")
+           for mode in ("overlapped", "after the verdict")}
+    result = {mode: [0.0, 0.0] for mode in rws}  # agreement s, step s
+    for r in range(rounds + 1):  # round 0: warm-up
+        for mode, rw in rws.items():
+            rw.seconds.clear()
+            t = time.perf_counter()
+            for _ in range(steps):
+                rw.step(batch)
+            if r:
+                result[mode][0] += rw.seconds["agreement"]
+                result[mode][1] += time.perf_counter() - t
+    out.put((rank, {mode: (a / (rounds * steps), s / (rounds * steps)) for mode, (a, s) in result.items()}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def agreement_cost(ranks: int, steps: int, rounds: int, console: Console) -> None:
+    """Print the agreement's exposed time per step (``Rewind.seconds["agreement"]``) on ``ranks`` gloo ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_agreement_worker, args=(r, ranks, port, steps, rounds, out)) for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    per_rank = dict(out.get(timeout=900) for _ in procs)
+    for proc in procs:
+        proc.join()
+    table = Table(title=f"Rewind's per-step agreement, {ranks} gloo ranks, 1F1B, 4x(256x256 linear) per stage")
+    for col in ("optimizer.step()", "agreement ms/step (mean of ranks)", "per rank", "step ms"):
+        table.add_column(col, justify="left" if col == "optimizer.step()" else "right")
+    for mode in per_rank[0]:
+        vals = [per_rank[r][mode] for r in sorted(per_rank)]
+        table.add_row(mode, f"{statistics.mean(v[0] for v in vals) * 1e3:.2f}",
+                      " / ".join(f"{v[0] * 1e3:.2f}" for v in vals), f"{statistics.mean(v[1] for v in vals) * 1e3:.1f}")
+    console.print(table)
 
 
 if __name__ == "__main__":

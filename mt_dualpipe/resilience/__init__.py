@@ -11,11 +11,11 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .detect import BadInputError, FaultKind, LossSpikeDetector, check_finite_inputs
 from .faults import KILL_EXIT_CODE, FaultInjector, InjectedFault
 from .local import LocalPipeline
-from .rewind import FaultEvent, Rewind, RewindError, StepResult, fresh_group, rebuild_pipeline
+from .rewind import FaultEvent, Rewind, RewindConfig, RewindError, StepResult, fresh_group, rebuild_pipeline
 from .snapshot import Snapshot, capture_rng, restore_rng, restore_snapshot, take_snapshot
 
 __all__ = [
-    "Rewind", "RewindError", "StepResult", "FaultEvent", "fresh_group", "rebuild_pipeline",
+    "Rewind", "RewindConfig", "RewindError", "StepResult", "FaultEvent", "fresh_group", "rebuild_pipeline",
     "CheckpointManager", "CheckpointError", "FaultInjector", "InjectedFault", "KILL_EXIT_CODE",
     "FaultKind", "LossSpikeDetector", "BadInputError", "check_finite_inputs",
     "Agreement", "AgreementError", "LocalReport", "Verdict",

@@ -91,13 +91,33 @@ class Agreement:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
     def decide(self, step: int, report: LocalReport) -> Verdict:
+        """Exchange the reports and return the verdict (blocking)."""
+        return self.finish(self.start(step, report))
+
+    def start(self, step: int, report: LocalReport) -> tuple:
+        """Post the exchange of the reports and return at once; ``finish`` waits for it.
+
+        What the caller does in between (``Rewind`` runs the optimizer step of a step it saw as good
+        here) overlaps the wait for the slowest rank.
+        """
         row = [float(report.kind), report.loss_sum, float(report.loss_count), report.grad_sq]
         if self.group is None:
-            return _combine([row], {0: report.message} if report.kind else {})
+            return step, report, row, None, None
         mine = torch.tensor(row, dtype=torch.float64)
         gathered = [torch.zeros(4, dtype=torch.float64) for _ in range(self.world)]
         try:
-            dist.all_gather(gathered, mine, group=self.group)
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        except Exception as exc:  # the transport error types differ by backend
+            raise self._error(step, report, exc) from exc
+        return step, report, row, work, gathered
+
+    def finish(self, pending: tuple) -> Verdict:
+        """The verdict of an exchange posted by ``start`` (identical on every rank)."""
+        step, report, row, work, gathered = pending
+        if work is None:
+            return _combine([row], {0: report.message} if report.kind else {})
+        try:
+            work.wait()
             rows = [g.tolist() for g in gathered]
             messages: dict[int, str] = {}
             if any(r[0] for r in rows):
@@ -105,9 +125,12 @@ class Agreement:
                 dist.all_gather_object(objs, report.message, group=self.group)
                 messages = {i: m for i, m in enumerate(objs) if rows[i][0]}
         except Exception as exc:  # the transport error types differ by backend
-            raise AgreementError(
-                f"step {step}: the ranks could not agree on the step's outcome (a rank died, hangs for more "
-                f"than {self.timeout:g}s, or the group is broken); this rank saw: "
-                f"{report.kind.label}{': ' + report.message if report.message else ''}; "
-                f"transport error: {str(exc).splitlines()[0][:200]}") from exc
+            raise self._error(step, report, exc) from exc
         return _combine(rows, messages)
+
+    def _error(self, step: int, report: LocalReport, exc: BaseException) -> AgreementError:
+        return AgreementError(
+            f"step {step}: the ranks could not agree on the step's outcome (a rank died, hangs for more "
+            f"than {self.timeout:g}s, or the group is broken); this rank saw: "
+            f"{report.kind.label}{': ' + report.message if report.message else ''}; "
+            f"transport error: {str(exc).splitlines()[0][:200]}")

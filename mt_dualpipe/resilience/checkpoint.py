@@ -15,7 +15,8 @@ a background thread runs ``dcp.save`` instead, ``mode == "thread+dcp.save"``), o
 group so its collectives never interleave with training's. Training continues meanwhile; the
 snapshot's buffers are private copies, so nothing is staged again (a no-op stager). When rank 0's save
 completes, every rank's data is on disk (DCP gathers the ranks' write results before writing
-``.metadata``); rank 0 then writes ``COMMIT`` and renames the folder to ``step_N`` — the commit. A
+``.metadata``); rank 0 then writes ``COMMIT`` and renames the folder to ``step_N`` — the commit —
+at once, from a background thread (training learns of it at its next ``poll``). A
 crash before the rename leaves only a ``.tmp_`` folder, which is ignored and cleaned up on the
 next start; the previous complete checkpoint is never touched until a newer one is committed.
 """
@@ -159,15 +160,43 @@ class CheckpointManager:
                     fut.set_exception(exc)
 
             threading.Thread(target=run, name=f"checkpoint-{snap.step}", daemon=True).start()
-        self._pending = (snap.step, tmp, fut)
+        self._pending = (snap.step, tmp, self._commit_when_written(snap.step, tmp, fut))
         self._pending_snapshot = snap
+
+    def _commit_when_written(self, step: int, tmp: str, written: concurrent.futures.Future
+                             ) -> concurrent.futures.Future:
+        """A background thread that commits (rank 0: ``COMMIT`` and the rename) as soon as the write ends.
+
+        Committing at once, rather than at the training thread's next ``poll``, is what bounds the
+        work a kill loses to the checkpoint interval plus the write time. The returned future
+        completes with the step once committed, or with the write's (or the commit's) error.
+        """
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                written.result()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                done.set_exception(CheckpointError(f"writing the checkpoint of step {step} to {tmp} failed: {exc}"))
+                return
+            try:
+                if self.rank == 0:
+                    self._commit(step, tmp)
+                done.set_result(step)
+            except BaseException as exc:  # noqa: BLE001
+                done.set_exception(CheckpointError(f"committing the checkpoint of step {step} ({tmp}) failed: {exc}"))
+
+        threading.Thread(target=run, name=f"checkpoint-commit-{step}", daemon=True).start()
+        return done
 
     def holds(self, snap: Snapshot) -> bool:
         """Whether ``snap`` is being written (its buffers must not be reused yet)."""
         return self._pending is not None and self._pending_snapshot is snap
 
     def poll(self) -> int | None:
-        """Commit the write in flight if it has finished; returns the committed step or None. Never blocks."""
+        """The step committed since the last call (the commit itself happens in the background), or None.
+
+        Never blocks; raises ``CheckpointError`` if the write or the commit failed."""
         if self._pending is None or not self._pending[2].done():
             return None
         return self._finish()
@@ -179,14 +208,10 @@ class CheckpointManager:
         return self._finish()
 
     def _finish(self) -> int:
-        step, tmp, fut = self._pending
+        """Wait for the commit of the write in flight (already done when ``poll`` calls it)."""
+        step, _, done = self._pending
         self._pending = self._pending_snapshot = None
-        try:
-            fut.result()
-        except Exception as exc:
-            raise CheckpointError(f"writing the checkpoint of step {step} to {tmp} failed: {exc}") from exc
-        if self.rank == 0:
-            self._commit(step, tmp)
+        done.result()  # raises the write's or the commit's CheckpointError
         self.committed.append(step)
         return step
 

@@ -30,7 +30,8 @@ class FaultKind(IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower().replace("_", " ")
+        """How messages name the kind: "non-finite loss", "loss spike", "exception"."""
+        return self.name.lower().replace("_", " ").replace("nonfinite", "non-finite")
 
 
 class BadInputError(ValueError):
@@ -101,8 +102,9 @@ def grad_sq_norm(modules: Sequence[nn.Module]) -> float:
 class LossSpikeDetector:
     """Flags a loss whose z-score against the last ``window`` good losses exceeds ``zscore``.
 
-    Only upward spikes count. The test needs ``min_history`` losses first and a non-zero spread;
-    the history is part of a snapshot, so a rewind also rewinds what counts as normal.
+    Only upward spikes count. The test needs ``min_history`` losses first (default
+    ``max(2, min(window, 10))``: no spike is flagged in the first ten good steps) and a non-zero
+    spread; the history is part of a snapshot, so a rewind also rewinds what counts as normal.
     """
 
     def __init__(self, zscore: float | None = 6.0, window: int = 50, min_history: int | None = None):

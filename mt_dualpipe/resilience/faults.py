@@ -15,6 +15,11 @@ fires once, and at most one fires per step attempt (the first micro-batch that r
 replay after a rewind runs clean unless the plan holds another fault for that step. ``Rewind`` tells the
 injector which step is running (``begin_step``) and installs its module hooks (``attach``); a fault
 planned for another rank is ignored on this one, so every rank can hold the same plan.
+
+``module`` is an index into the rank's *local* modules as ``Rewind`` sees them (``modules=``, or the
+pipeline's stage modules ``pipeline.module`` in ``local_stages`` order): on a V or DualPipe
+placement module 0 is the rank's stage of the first chain / the down leg and module 1 its other
+stage, not a layer of the whole model.
 """
 
 from __future__ import annotations

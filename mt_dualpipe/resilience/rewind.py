@@ -7,6 +7,7 @@ One call of ``Rewind.step(batch_fn)`` is one attempt at one optimizer step::
     loss   = pipeline.step(*inputs, num_chunks=..., criterion=..., labels=labels)
     report = local checks (non-finite input / loss / gradient, or the exception the step raised)
     verdict = agree(report)                    # one small all_gather: identical on every rank
+                                               # (optimizer.step() of a locally good step overlaps it)
     ok:    [sync_mirrored_grads()]; grad_hook(); optimizer.step(); maybe snapshot / checkpoint
     fault: log, count, skip the batch (skip_policy="skip") or not ("retry"),
            rebuild the pipeline's communication if a step raised, restore the snapshot
@@ -26,6 +27,7 @@ stage modules of ``pipeline.module`` (``mt_dualpipe.Pipeline`` and ``LocalPipeli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -106,11 +108,11 @@ def _local_modules(pipeline: Any, modules: Sequence[nn.Module] | None) -> list[n
     raise ValueError("pass modules=[...] (the rank's local stage modules): the pipeline is not an nn.Module")
 
 
-class Rewind:
-    """Fault-tolerant training steps over ``pipeline`` (see the module docstring).
+@dataclass
+class RewindConfig:
+    """Everything ``Rewind`` takes besides the pipeline and the optimizer (checked on construction).
 
-    Parameters:
-      pipeline, optimizer: the step object and the optimizer over the local modules' parameters.
+    Fields:
       num_chunks, criterion: passed to ``pipeline.step``.
       modules: the rank's local stage modules (default: ``pipeline.module`` when it is an
         ``nn.ModuleList``, as in ``mt_dualpipe.Pipeline``, else ``[pipeline]`` for an ``nn.Module``).
@@ -118,10 +120,14 @@ class Rewind:
       keep: how many snapshots to keep; the n-th consecutive fault rewinds n snapshots back
         (bounded by what is kept), so a state that was already bad gets left behind.
       checkpoint_dir: also write every ``checkpoint_every``-th snapshot there, asynchronously, and
-        resume from the newest complete checkpoint on construction (``resume=True``).
+        resume from the newest complete checkpoint on construction (``resume=True``). A checkpoint
+        is committed (becomes the one a restart resumes from) as soon as its write finishes, by a
+        background thread; a kill before that loses it, so at most about one ``checkpoint_every``
+        interval plus the write time is lost.
       keep_checkpoints: complete checkpoints kept on disk.
       spike_zscore, window: a loss more than ``spike_zscore`` standard deviations above the mean of
-        the last ``window`` good losses is a fault (None: off).
+        the last ``window`` good losses is a fault (None: off). Detection starts once
+        ``min(window, 10)`` good losses are known.
       max_retries: rewinds allowed in a row; one more consecutive fault raises ``RewindError``.
       skip_policy: "skip" (the offending batch is never read again) or "retry" (replay it; for
         transient faults).
@@ -132,8 +138,9 @@ class Rewind:
         pipeline's ``timeout`` + 60, or 600). Must exceed the pipeline's point-to-point timeout.
       rebuild: ``rebuild(pipeline) -> pipeline``, called on every rank after a step raised on any
         rank; it must give the pipeline fresh communication (on gloo a timed-out point-to-point
-        wait closes the connection for good). "auto" (default): ``rebuild_pipeline`` for
-        ``mt_dualpipe`` pipelines, nothing for other objects; None: keep the pipeline as is.
+        wait closes the connection for good). "auto" (default): ``pipeline.rebuilt()`` for a
+        pipeline that has it (``mt_dualpipe.Pipeline``), nothing for other objects; None: keep
+        the pipeline as is.
       sync_mirrored: call ``pipeline.sync_mirrored_grads()`` (DualPipe) once the verdict is ok,
         before ``grad_hook`` and ``optimizer.step()`` (always on the current, maybe rebuilt, pipeline).
       grad_hook: called after the verdict is ok and before ``optimizer.step()`` (e.g. gradient
@@ -141,57 +148,98 @@ class Rewind:
       stateful: extra objects with ``state_dict``/``load_state_dict`` (lr schedulers) to snapshot.
       skip: data positions never to read (e.g. to reproduce a run that skipped a batch).
       check_inputs: flag NaN/inf in a rank's inputs as a fault ("non-finite input").
+      snapshot_device: where snapshots are kept ("cpu"; None: next to the parameters).
       faults: a ``FaultInjector`` (tests and demos).
+      overlap_optimizer: run ``optimizer.step()`` of a step this rank saw as good while the ranks
+        exchange their verdicts (the exchange mostly waits for the slowest rank); a fault agreed
+        afterwards undoes it with the snapshot restore every fault does. Not done when
+        ``grad_hook`` is set or ``sync_mirrored`` applies: they must see the agreed verdict first.
     """
 
-    def __init__(self, pipeline: Any, optimizer: Any, *, num_chunks: int = 1, criterion: Callable | None = None,
-                 modules: Sequence[nn.Module] | None = None, snapshot_every: int = 10, keep: int = 2,
-                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-                 keep_checkpoints: int = 2, resume: bool = True, spike_zscore: float | None = 6.0,
-                 window: int = 50, max_retries: int = 3, skip_policy: str = "skip",
-                 group: dist.ProcessGroup | None = None, timeout: float | None = None,
-                 rebuild: Callable[[Any], Any] | None | str = "auto", grad_hook: Callable[[], None] | None = None,
-                 sync_mirrored: bool = True, stateful: dict[str, Any] | None = None, skip: Sequence[int] = (),
-                 check_inputs: bool = True,
-                 snapshot_device: str | None = "cpu", faults: FaultInjector | None = None):
-        for name, value, minimum in (("snapshot_every", snapshot_every, 1), ("keep", keep, 1),
-                                     ("max_retries", max_retries, 0), ("num_chunks", num_chunks, 1)):
+    num_chunks: int = 1
+    criterion: Callable | None = None
+    modules: Sequence[nn.Module] | None = None
+    snapshot_every: int = 10
+    keep: int = 2
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    resume: bool = True
+    spike_zscore: float | None = 6.0
+    window: int = 50
+    max_retries: int = 3
+    skip_policy: str = "skip"
+    group: dist.ProcessGroup | None = None
+    timeout: float | None = None
+    rebuild: Callable[[Any], Any] | None | str = "auto"
+    grad_hook: Callable[[], None] | None = None
+    sync_mirrored: bool = True
+    stateful: dict[str, Any] | None = None
+    skip: Sequence[int] = ()
+    check_inputs: bool = True
+    snapshot_device: str | None = "cpu"
+    faults: FaultInjector | None = None
+    overlap_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("snapshot_every", 1), ("keep", 1), ("max_retries", 0), ("num_chunks", 1)):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an integer of at least {minimum}, got {value!r}")
-        if skip_policy not in SKIP_POLICIES:
-            raise ValueError(f"skip_policy must be one of {', '.join(SKIP_POLICIES)}, got {skip_policy!r}")
-        checkpoint_every = snapshot_every if checkpoint_every is None else checkpoint_every
-        if not isinstance(checkpoint_every, int) or checkpoint_every < 1 or checkpoint_every % snapshot_every:
-            raise ValueError(f"checkpoint_every must be a positive multiple of snapshot_every={snapshot_every}, "
-                             f"got {checkpoint_every!r}")
+        if self.skip_policy not in SKIP_POLICIES:
+            raise ValueError(f"skip_policy must be one of {', '.join(SKIP_POLICIES)}, got {self.skip_policy!r}")
+        if self.checkpoint_every is None:
+            self.checkpoint_every = self.snapshot_every
+        every = self.checkpoint_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1 or every % self.snapshot_every:
+            raise ValueError(f"checkpoint_every must be a positive multiple of snapshot_every={self.snapshot_every}, "
+                             f"got {every!r}")
+        if self.rebuild != "auto" and self.rebuild is not None and not callable(self.rebuild):
+            raise ValueError(f"rebuild must be a callable, None or 'auto', got {self.rebuild!r}")
+
+
+class Rewind:
+    """Fault-tolerant training steps over ``pipeline`` (see the module docstring).
+
+    ``Rewind(pipeline, optimizer, config)`` with a ``RewindConfig``, or with its fields as keyword
+    arguments (``Rewind(pipe, opt, num_chunks=8, criterion=loss_fn)``); keywords given with a
+    config replace its fields.
+    """
+
+    def __init__(self, pipeline: Any, optimizer: Any, config: RewindConfig | None = None, **options: Any):
+        if config is None:
+            config = RewindConfig(**options)
+        elif options:
+            config = dataclasses.replace(config, **options)
+        self.config = cfg = config
         self.pipeline = pipeline
         self.optimizer = optimizer
-        self.num_chunks = num_chunks
-        self.criterion = criterion
-        self.modules = _local_modules(pipeline, modules)
-        self.snapshot_every, self.keep, self.checkpoint_every = snapshot_every, keep, checkpoint_every
-        self.max_retries, self.skip_policy = max_retries, skip_policy
-        if rebuild == "auto":
-            rebuild = _auto_rebuild(pipeline)
-        elif rebuild is not None and not callable(rebuild):
-            raise ValueError(f"rebuild must be a callable, None or 'auto', got {rebuild!r}")
-        self.rebuild, self.grad_hook, self.sync_mirrored = rebuild, grad_hook, sync_mirrored
-        self.stateful = dict(stateful or {})
-        self.check_inputs = check_inputs
-        self.snapshot_device = snapshot_device
-        self.faults = faults
-        self.spikes = LossSpikeDetector(spike_zscore, window)
+        self.num_chunks = cfg.num_chunks
+        self.criterion = cfg.criterion
+        self.modules = _local_modules(pipeline, cfg.modules)
+        self.snapshot_every, self.keep, self.checkpoint_every = cfg.snapshot_every, cfg.keep, cfg.checkpoint_every
+        self.max_retries, self.skip_policy = cfg.max_retries, cfg.skip_policy
+        rebuild = _auto_rebuild(pipeline) if cfg.rebuild == "auto" else cfg.rebuild
+        self.rebuild, self.grad_hook, self.sync_mirrored = rebuild, cfg.grad_hook, cfg.sync_mirrored
+        self.stateful = dict(cfg.stateful or {})
+        self.check_inputs = cfg.check_inputs
+        self.overlap_optimizer = cfg.overlap_optimizer
+        self.snapshot_device = cfg.snapshot_device
+        self.faults = faults = cfg.faults
+        self.spikes = LossSpikeDetector(cfg.spike_zscore, cfg.window)
+        timeout = cfg.timeout
         if timeout is None:
             timeout = float(getattr(pipeline, "timeout", 540.0)) + 60.0
         ranks = None
         if dist.is_available() and dist.is_initialized():
+            group = cfg.group
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self.agreement = Agreement(ranks, timeout)
         self.rank = self.agreement.rank
 
         self.step_index = 0       # optimizer steps done
         self.position = 0         # next data position to read
-        self.skipped: set[int] = set(int(s) for s in skip)
+        self.skipped: set[int] = set(int(s) for s in cfg.skip)
         self.events: list[FaultEvent] = []
         self.counters: Counter[str] = Counter()
         # seconds the training thread spent in Rewind's own work: checks, agreement, snapshot, checkpoint, rewind
@@ -203,19 +251,23 @@ class Rewind:
         self.checkpoints: CheckpointManager | None = None
         if faults is not None:
             faults.attach(self.modules)
-        if checkpoint_dir is not None:
-            self.checkpoints = CheckpointManager(checkpoint_dir, keep_checkpoints, ranks, timeout,
-                                                 before_commit=faults.before_commit if faults else None)
-            latest = self.checkpoints.latest() if resume else None
-            if latest is not None:
-                snap = self.checkpoints.load(latest)
-                self._restore(snap)
-                self.resumed_from = latest
-                self.snapshots = [snap]
-                self.counters["resumed"] += 1
-                log.info("rank %d: resumed from checkpoint step %d in %s", self.rank, latest, checkpoint_dir)
+        if cfg.checkpoint_dir is not None:
+            self._open_checkpoints(cfg, ranks, timeout)
         if not self.snapshots:
             self._snapshot()
+
+    def _open_checkpoints(self, cfg: RewindConfig, ranks: list[int] | None, timeout: float) -> None:
+        faults = cfg.faults
+        self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.keep_checkpoints, ranks, timeout,
+                                             before_commit=faults.before_commit if faults else None)
+        latest = self.checkpoints.latest() if cfg.resume else None
+        if latest is not None:
+            snap = self.checkpoints.load(latest)
+            self._restore(snap)
+            self.resumed_from = latest
+            self.snapshots = [snap]
+            self.counters["resumed"] += 1
+            log.info("rank %d: resumed from checkpoint step %d in %s", self.rank, latest, cfg.checkpoint_dir)
 
     # ----- state --------------------------------------------------------------------------------
     def _extra(self) -> dict[str, Any]:
@@ -260,11 +312,48 @@ class Rewind:
         with self._checkpoint_errors(step):
             if self.checkpoints is not None and self.checkpoints.poll() is not None:
                 self.counters["checkpoints"] += 1
-        report = LocalReport()
         if self.faults is not None:
             self.faults.begin_step(step)
         self.optimizer.zero_grad(set_to_none=True)
-        t1 = clock()
+        self.seconds["checkpoint"] += clock() - t0
+        report = self._attempt(batch_fn, pos)
+        t5 = clock()
+        early = self._overlaps(report)
+        try:
+            pending = self.agreement.start(step, report)
+            if early:  # overlaps the wait for the other ranks; a fault undoes it (the snapshot restore)
+                t = clock()
+                self.optimizer.step()
+                t5 += clock() - t
+            verdict = self.agreement.finish(pending)
+        except AgreementError as exc:
+            self.counters["agreement_failures"] += 1
+            self._abandon_checkpoint()
+            raise RewindError(str(exc)) from exc
+        self.seconds["agreement"] += clock() - t5
+        self._check_spike(verdict)
+        if not verdict.ok:
+            t = clock()
+            result = self._on_fault(step, pos, verdict)
+            self.seconds["rewind"] += clock() - t
+            return result
+        self._apply(step, pos, verdict, stepped=early)
+        return StepResult(step, pos, True, verdict.loss, verdict.grad_norm)
+
+    def _overlaps(self, report: LocalReport) -> bool:
+        """Whether this step's ``optimizer.step()`` runs while the verdicts are exchanged.
+
+        Only for a step this rank saw as good, and never when something must see the agreed verdict
+        before the optimizer: ``grad_hook`` and DualPipe's mirrored-gradient sync may use
+        collectives, which a rank that faulted would not join.
+        """
+        return (self.overlap_optimizer and report.kind == FaultKind.OK and self.grad_hook is None
+                and not (self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads")))
+
+    def _attempt(self, batch_fn: Callable[[int], Any], pos: int) -> LocalReport:
+        """Read the batch, run the pipeline's step and check it here: this rank's report."""
+        clock = time.perf_counter
+        report = LocalReport()
         try:
             inputs, labels = _split_batch(batch_fn(pos))
             t2 = clock()
@@ -286,33 +375,28 @@ class Rewind:
             report.grad_sq = grad_sq_norm(self.modules)
             if not math.isfinite(report.grad_sq):
                 report.fault(FaultKind.NONFINITE_GRAD, "a local gradient is NaN or infinite")
-        t5 = clock()
-        try:
-            verdict = self.agreement.decide(step, report)
-        except AgreementError as exc:
-            self.counters["agreement_failures"] += 1
-            self._abandon_checkpoint()
-            raise RewindError(str(exc)) from exc
-        t6 = clock()
-        self.seconds["checks"] += (t3 - t2) + (t5 - t4)
-        self.seconds["agreement"] += t6 - t5
-        self.seconds["checkpoint"] += t1 - t0
+        self.seconds["checks"] += (t3 - t2) + (clock() - t4)
+        return report
+
+    def _check_spike(self, verdict: Verdict) -> None:
+        """An agreed good loss far above the recent ones is a fault too (the same on every rank)."""
         if verdict.ok and verdict.loss is not None:
             spike, z = self.spikes.is_spike(verdict.loss)
             if spike:
                 verdict.kind = FaultKind.LOSS_SPIKE
                 verdict.messages = {-1: f"loss {verdict.loss:.6g} has z-score {z:.1f} > {self.spikes.zscore:g} "
                                         f"over the last {len(self.spikes.history)} good steps"}
-        if not verdict.ok:
-            t = clock()
-            result = self._on_fault(step, pos, verdict)
-            self.seconds["rewind"] += clock() - t
-            return result
-        if self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads"):
-            self.pipeline.sync_mirrored_grads()  # DualPipe: sum the gradients of the mirrored stage copies
-        if self.grad_hook is not None:
-            self.grad_hook()
-        self.optimizer.step()
+
+    def _apply(self, step: int, pos: int, verdict: Verdict, stepped: bool = False) -> None:
+        """The agreed-good step: mirrored gradients, hook, optimizer (unless ``stepped`` already),
+        then maybe a snapshot and a checkpoint."""
+        clock = time.perf_counter
+        if not stepped:
+            if self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads"):
+                self.pipeline.sync_mirrored_grads()  # DualPipe: sum the gradients of the mirrored stage copies
+            if self.grad_hook is not None:
+                self.grad_hook()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if verdict.loss is not None:
             self.spikes.push(verdict.loss)
@@ -329,7 +413,6 @@ class Rewind:
                 with self._checkpoint_errors(step):
                     self.checkpoints.save(snap)
                 self.seconds["checkpoint"] += clock() - t7
-        return StepResult(step, pos, True, verdict.loss, verdict.grad_norm)
 
     def _on_fault(self, step: int, pos: int, verdict: Verdict) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
@@ -405,37 +488,20 @@ class Rewind:
 
 
 def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
-    """The same ``mt_dualpipe`` Pipeline / DualPipe / DualPipeV (same stage modules, schedule, timeout)
-    on a fresh process group over the same ranks: what ``Rewind`` needs after a step raised, since
-    a timed-out or failed point-to-point wait leaves the old group unusable (gloo closes the pair).
+    """``old.rebuilt(group)``: the same pipeline on a fresh process group (see ``Pipeline.rebuilt``).
 
-    Collective over the default group (``dist.new_group``); supports pipelines built without a
-    ``rank_mapping``. Pass your own ``rebuild=`` to ``Rewind`` for anything else.
+    Kept for callers that pass it as ``rebuild=``; the pipeline itself knows how to rebuild.
     """
-    from ..runtime.modules import DualPipe, DualPipeV, Pipeline
-
-    if not isinstance(old, Pipeline):
-        raise TypeError(f"rebuild_pipeline rebuilds mt_dualpipe pipelines, got {type(old).__name__}; pass rebuild=")
-    if old.rank != dist.get_rank(old.group):
-        raise ValueError("rebuild_pipeline supports pipelines without rank_mapping; pass your own rebuild=")
-    if group is None:
-        group = dist.new_group(ranks=dist.get_process_group_ranks(old.group), backend=dist.get_backend(old.group))
-    if isinstance(old, (DualPipe, DualPipeV)):
-        new = type(old)(tuple(old.module), batch_dim=old.batch_dim, process_group=group, timeout=old.timeout)
-    else:
-        new = Pipeline(list(old.module), old.schedule, group, batch_dim=old.batch_dim, timeout=old.timeout,
-                       schedule_options=old.schedule_options)
-    new.record_timeline = old.record_timeline
-    return new
+    rebuilt = getattr(old, "rebuilt", None)
+    if rebuilt is None:
+        raise TypeError(f"rebuild_pipeline needs a pipeline with a rebuilt() method (mt_dualpipe.Pipeline), got "
+                        f"{type(old).__name__}; pass rebuild=")
+    return rebuilt(group)
 
 
 def _auto_rebuild(pipeline: Any) -> Callable[[Any], Any] | None:
-    """``rebuild_pipeline`` for mt_dualpipe pipelines, None (keep as is) for anything else."""
-    try:
-        from ..runtime.modules import Pipeline
-    except ImportError:  # pragma: no cover - the runtime is part of the package
-        return None
-    return rebuild_pipeline if isinstance(pipeline, Pipeline) else None
+    """``pipeline.rebuilt()`` for pipelines that can rebuild themselves, None (keep as is) for anything else."""
+    return rebuild_pipeline if callable(getattr(pipeline, "rebuilt", None)) else None
 
 
 def fresh_group(ranks: Sequence[int] | None = None, backend: str | None = None,

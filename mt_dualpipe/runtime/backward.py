@@ -50,6 +50,26 @@ def backward_roots(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     return roots, gs
 
 
+def has_reentrant_checkpoint(roots: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph below ``roots`` holds a ``torch.utils.checkpoint(..., use_reentrant=True)`` region.
+
+    Such a region re-runs its forward and calls ``backward`` itself when the engine reaches it,
+    which torch refuses inside a backward that names its ``inputs`` (what the split B does). A
+    stage that uses it gets its weight gradients in B instead (see ``Stage.backward``).
+    """
+    seen = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(c for c, _ in node.next_functions if c is not None)
+    return False
+
+
 def full_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor | None],
                   inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """BW: one engine call accumulating every gradient; returns the inputs' gradients."""
@@ -88,10 +108,17 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
             input_leaves.add(id(x))
         else:
             input_nodes.add(x.grad_fn)
+    starts = [t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node for t in roots]
+    reaches_input, weights_under, children = _classify(starts, input_nodes, input_leaves)
+    return starts, reaches_input, _frontier(reaches_input, weights_under, children, input_nodes)
+
+
+def _classify(starts: list, input_nodes: set, input_leaves: set) -> tuple[dict, dict, dict]:
+    """Post-order walk below ``starts``: per node, whether it reaches an input; per weight-only
+    node, the weight leaves below it; per node, its children (listed once)."""
     reaches_input: dict[Any, bool] = {}
     weights_under: dict[Any, frozenset] = {}  # for weight-only nodes: the leaves they reach
     children: dict[Any, list] = {}
-    starts = [t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node for t in roots]
     stack = [(n, False) for n in starts]
     empty = frozenset()
     while stack:  # iterative post-order DFS: children are classified before their parent
@@ -113,11 +140,10 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
         kids = children[node]
         if not kids:  # a leaf's AccumulateGrad (a weight, or an input), or a node with nothing below
             v = getattr(node, "variable", None)
-            if v is not None and id(v) in input_leaves:
-                reaches_input[node] = True
-                continue
-            reaches_input[node] = False
-            weights_under[node] = empty if v is None else frozenset((node,))
+            hit = v is not None and id(v) in input_leaves
+            reaches_input[node] = hit
+            if not hit:
+                weights_under[node] = empty if v is None else frozenset((node,))
             continue
         hit = False
         for c in kids:
@@ -127,6 +153,12 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
         reaches_input[node] = hit
         if not hit:
             weights_under[node] = empty.union(*[weights_under[c] for c in kids])
+    return reaches_input, weights_under, children
+
+
+def _frontier(reaches_input: dict, weights_under: dict, children: dict, input_nodes: set) -> list:
+    """Nodes on a path to an input whose other children lead only to weights, with those weights."""
+    empty = frozenset()
     frontier = []
     for node, hit in reaches_input.items():
         if not hit or node in input_nodes:
@@ -136,7 +168,7 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
             leaves = empty.union(*below)
             if leaves:
                 frontier.append((node, leaves))
-    return starts, reaches_input, frontier
+    return frontier
 
 
 def _captured_by_engine(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],

@@ -2,7 +2,12 @@
 
 One ``CommBatch`` of the program becomes one ``batch_isend_irecv`` call. A message is what one
 SEND carries: the tensors a stage's F outputs, or the input gradients its B produced (``None``
-where an input has no gradient). Messages are keyed ``(direction, chain, sending stage, mb)``.
+where an input has no gradient). Messages are keyed ``(signal, chain, sending stage, mb)``, the
+signal ("F": an activation, "B": an input gradient) and the sending stage as ``schedules.ops``
+defines them (``message_key``).
+
+The step-start all-reduce (below) also carries a row of integers from every rank (``begin_step``'s
+``checks``), so a mistake made on one rank only fails on every rank at once (``step_checks``).
 
 Shapes are never configured. The first time a message key is used, both sides exchange a small
 metadata tensor (tag ``META_TAG``, on a gloo side group when the data backend is not gloo) that
@@ -37,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..schedules.ops import RULES, SEND_RECV, SIGNAL_OF_COMM
 from .device import StreamSync
 from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
 
@@ -93,15 +99,20 @@ def decode(buf: torch.Tensor) -> Meta:
     return tuple(out)
 
 
+_SENT_FROM = {sig: ds for r in RULES.values() for sig, ds in r.needs if ds}
+"""Per signal, the stage offset its consumer receives it from (ACT from the stage before, GRAD after)."""
+
+
 def message_key(kind: str, chain: int, stage: int, mb: int) -> tuple:
-    """The key of the message a comm op moves: (direction, chain, sending stage, mb)."""
-    if kind == "SEND_F":
-        return ("F", chain, stage, mb)
-    if kind == "RECV_F":
-        return ("F", chain, stage - 1, mb)
-    if kind == "SEND_B":
-        return ("B", chain, stage, mb)
-    return ("B", chain, stage + 1, mb)
+    """The key of the message a comm op moves: (signal, chain, sending stage, mb).
+
+    ``stage`` is the comm op's local stage: the sender's for a send, the consumer's for a receive,
+    whose sending stage follows from the rule in ``schedules.ops``.
+    """
+    sig = SIGNAL_OF_COMM[kind]
+    if kind == SEND_RECV[sig][0]:
+        return (sig.value, chain, stage, mb)
+    return (sig.value, chain, stage + _SENT_FROM[sig], mb)
 
 
 class _Recv:
@@ -132,7 +143,8 @@ class P2P:
         self.sync = StreamSync(self.device)
         self.cache: dict[tuple, Meta] = {}
         self.fingerprint: int | None = None
-        self.agreement: tuple | None = None  # (work, flag) of the step's all-reduce until settled
+        self.agreement: tuple | None = None  # (work, flag, row width) of the step's all-reduce until settled
+        self.on_agreement: Callable[[list[list[int]]], None] | None = None  # checks every rank's row
         self._td: datetime.timedelta | None = None  # the timeout as a timedelta, rebuilt when it changes
         self.recvs: dict[tuple, _Recv] = {}
         self.sends: deque[tuple] = deque()  # (works, tensors to free, where, comm), oldest first
@@ -140,24 +152,38 @@ class P2P:
         self._group_rank = dict(zip(self.peers_global, self.peers_group))  # global rank -> group rank
 
     # ----- per step ---------------------------------------------------------------------------
-    def begin_step(self, signature: object) -> None:
+    def begin_step(self, signature: object, checks: Sequence[int] = ()) -> None:
         """Post this step's agreement on whether shapes must be learned again (see the module docstring).
 
-        Non-blocking: the flag is all-reduced in the background and settled at the first ``post``
-        (or at ``finish``), before any learned shape is used.
+        ``checks``: integers every rank contributes (the same number on every rank); after the
+        all-reduce every rank holds every rank's row, and ``on_agreement(rows)`` (if set) can refuse
+        the step on all ranks at once, naming the rank that differs. Non-blocking: the all-reduce
+        runs in the background and is settled at the first ``post`` (or at ``finish``), before any
+        learned shape is used.
         """
         fp = zlib.crc32(repr(signature).encode())
-        flag = torch.tensor([int(fp != self.fingerprint)], dtype=torch.int64)
-        work = dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.meta_group, async_op=True)
+        width = 1 + len(checks)
+        vals = [0] * (width * len(self.peers_global))
+        vals[self.rank * width] = int(fp != self.fingerprint)
+        vals[self.rank * width + 1: (self.rank + 1) * width] = checks
+        flag = torch.tensor(vals, dtype=torch.int64)
+        work = dist.all_reduce(flag, dist.ReduceOp.SUM, group=self.meta_group, async_op=True)
         self.fingerprint = fp
-        self.agreement = (work, flag)
+        self.agreement = (work, flag, width)
 
     def settle(self) -> bool:
-        """Wait for the step's agreement; drop every learned shape if any rank asked. True if dropped."""
-        work, flag = self.agreement
+        """Wait for the step's agreement; drop every learned shape if any rank asked. True if dropped.
+
+        Raises what ``on_agreement`` raises when the ranks' checks disagree.
+        """
+        work, flag, width = self.agreement
         self.agreement = None
         self._wait([work], (0, "step start"), "every rank to start the step (input fingerprint all-reduce)", -1)
-        if int(flag):
+        vals = flag.tolist()
+        rows = [vals[i: i + width] for i in range(0, len(vals), width)]
+        if self.on_agreement is not None:
+            self.on_agreement([r[1:] for r in rows])
+        if any(r[0] for r in rows):
             self.cache.clear()
             return True
         return False

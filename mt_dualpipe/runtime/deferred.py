@@ -25,19 +25,42 @@ from torch import nn
 from .weight_grad import WeightGradStore
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run ``F.linear`` on ``x``'s device in, or None outside autocast."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """Autocast's rule for one operand: floating tensors other than float64 go to ``dtype``."""
+    if t is None or dtype is None or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+        return t
+    return t.to(dtype)
+
+
 class _DeferredLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Under autocast, cast the operands the way autocast casts F.linear's and save them in that
+        # dtype: the backward may run outside autocast (PyTorch's recommended pattern), where the
+        # GEMMs of B and W must still see the forward's dtype.
+        dtype = _autocast_dtype(x)
+        x, w, b = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias  # the parameters themselves: a deferred W writes their .grad
-        return F.linear(x, weight, bias)
+        ctx.dtype = dtype
+        return F.linear(x, w, b)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         dy = grad_out.reshape(-1, grad_out.shape[-1])
-        dx = dy.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        if ctx.dtype is not None:
+            dy = _cast(dy, ctx.dtype)
+        dx = dy.mm(_cast(weight, ctx.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
         want_w = ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
         if not (want_w or want_b):

@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
 from ..schedules.lower import lower
-from ..schedules.registry import build_schedule
+from ..schedules.registry import build_schedule, schedule_info
 from .comm import P2P
 from .device import backend_for, module_device
 from .errors import PipelineError
 from .executor import Executor
+from .step_checks import NOT_HELD, StepCheck, StepVerifier, batch_rows
 from .timeline import gather_timeline
 from .weight_grad import WeightGradStore
 
@@ -65,7 +67,11 @@ class Pipeline(nn.Module):
     micro-batches then get one row more; the losses are still summed per micro-batch).
 
     A schedule given by name is built on every rank; for a searched one (``auto``) build it once
-    and pass the same ``Schedule`` everywhere.
+    and pass the same ``Schedule`` everywhere. An unknown name or option, or a number of modules
+    that is not this rank's number of stages, fails here rather than at the first step.
+    ``needs_inputs`` / ``needs_labels`` say whether ``step()`` needs the batch's inputs / the
+    criterion and labels on this rank; ``split_model`` cuts a stack of layers into this rank's
+    stage modules; ``rebuilt()`` gives the same pipeline on a fresh process group.
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
@@ -91,19 +97,57 @@ class Pipeline(nn.Module):
                                 f"has {self.num_ranks}")
         self.schedule = schedule
         self.schedule_options = dict(schedule_options or {})
+        self.placement = _placement_of(schedule, self.num_ranks, self.schedule_options)
+        local = [(c, s) for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == self.rank]
+        if len(local) != len(self.module):
+            name = schedule.name if isinstance(schedule, Schedule) else schedule
+            raise PipelineError(
+                f"rank {self.rank} runs {len(local)} stage(s) {local} of schedule {name!r} but was given "
+                f"{len(self.module)} module(s); pass one module per stage, in (chain, stage) order")
         self.batch_dim = batch_dim
         self.allow_uneven = allow_uneven
+        self.rank_mapping = None if rank_mapping is None else mapping
         self.device = module_device(self.module)
         wanted, have = backend_for(self.device), dist.get_backend(self.group)
         if wanted not in str(have):
             raise PipelineError(f"the stage modules are on {self.device}, which needs a {wanted!r} process group, "
                                 f"but the group's backend is {have!r}; init the group with backend={wanted!r}")
         self.p2p = P2P(self.rank, peers, self.group, self.device, timeout)
+        self.p2p.on_agreement = StepVerifier(self.rank, [(chain[0], chain[-1]) for chain in self.placement])
         self.store = WeightGradStore()
         self._executors: dict[int, Executor] = {}
         self.record_timeline = False
         self.timeline = None
         self.peak_activations: int | None = None
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank holds a chain's first stage, so ``step()`` needs the batch's inputs here."""
+        return any(chain[0] == self.rank for chain in self.placement)
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether this rank holds a chain's last stage: it computes the loss, so ``step()`` needs
+        ``criterion`` here (and ``labels`` when the criterion takes any)."""
+        return any(chain[-1] == self.rank for chain in self.placement)
+
+    def rebuilt(self, group: dist.ProcessGroup | None = None) -> Pipeline:
+        """The same pipeline (stage modules, schedule, options, timeout, mapping) on a fresh process group.
+
+        What a fault-tolerant loop needs after a step raised: a timed-out or failed point-to-point
+        wait leaves the old group unusable (gloo closes the pair). ``group`` defaults to a new
+        group over the same ranks and backend, created collectively (``dist.new_group``), so call
+        it on every rank. The subclass (``DualPipe``, ``DualPipeV``) is kept.
+        """
+        if group is None:
+            group = dist.new_group(ranks=dist.get_process_group_ranks(self.group),
+                                   backend=dist.get_backend(self.group))
+        new = type(self).__new__(type(self))
+        Pipeline.__init__(new, list(self.module), self.schedule, group, rank_mapping=self.rank_mapping,
+                          batch_dim=self.batch_dim, timeout=self.timeout, schedule_options=self.schedule_options,
+                          allow_uneven=self.allow_uneven)
+        new.record_timeline = self.record_timeline
+        return new
 
     @property
     def timeout(self) -> float:
@@ -139,36 +183,32 @@ class Pipeline(nn.Module):
              labels: Sequence[torch.Tensor | None] = (), return_outputs: bool = False) -> tuple[Any, Any]:
         """One training step (or, under ``torch.no_grad()``, an inference step) over ``num_chunks`` micro-batches.
 
-        ``inputs`` are needed only on a rank holding a chain's first stage and are split into that
-        chain's micro-batches along ``batch_dim``; ``labels`` likewise on a rank holding a chain's
-        last stage, where ``criterion(*outputs, *labels)`` gives each micro-batch's loss. Gradients
-        are those of the sum of the micro-batch losses. Returns ``(loss, outputs)``: the stacked
-        losses of the chain ending on this rank (None elsewhere or without criterion) and, with
-        ``return_outputs``, its outputs concatenated along ``batch_dim`` (one tensor if the stage
-        returns one).
+        ``inputs`` are needed only on a rank holding a chain's first stage (``needs_inputs``) and
+        are split into that chain's micro-batches along ``batch_dim``; ``labels`` likewise on a rank
+        holding a chain's last stage (``needs_labels``), where ``criterion(*outputs, *labels)`` gives
+        each micro-batch's loss, a scalar in a training step. Gradients are those of the sum of the
+        micro-batch losses. Returns ``(loss, outputs)``: the stacked losses of the chain ending on
+        this rank (None elsewhere or without criterion) and, with ``return_outputs``, its outputs
+        concatenated along ``batch_dim`` (one tensor if the stage returns one). An output that cannot
+        be concatenated (0-dim, or shapes that vary between micro-batches) comes back as a list
+        with one tensor per micro-batch instead.
+
+        Mistakes made on one rank only (``num_chunks``, missing labels, a batch that does not split,
+        a different batch size) make every rank raise at the step's start, naming the rank.
         """
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise PipelineError(f"num_chunks must be a positive integer, got {num_chunks!r}")
-        ex = self.executor(num_chunks)
-        sched = ex.program.schedule
         forward_only = not torch.is_grad_enabled()
-        first, last = self._chain_here(sched, 0), self._chain_here(sched, -1)
-        mb_inputs: dict[int, tuple] = {}
-        if first is not None:
-            mbs = sched.microbatches_of(first)
-            if not inputs or all(x is None for x in inputs):
-                raise PipelineError(f"rank {self.rank} holds the first stage of chain {first} and needs the step's "
-                                    "inputs")
-            mb_inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs", self.allow_uneven)))
-        mb_labels: dict[int, tuple] = {}
-        if last is not None:
-            mbs = sched.microbatches_of(last)
-            if not forward_only and criterion is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage of chain {last}: a training step needs "
-                                    "criterion here")
-            mb_labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels", self.allow_uneven)))
+        prepared = _Prepared()
         try:
-            res = ex.run(mb_inputs, mb_labels, criterion, forward_only, return_outputs, self.record_timeline)
+            self._prepare(prepared, inputs, num_chunks, criterion, labels, forward_only)
+        except (PipelineError, ScheduleError) as exc:
+            prepared.problem = exc
+        check = prepared.check(num_chunks, not forward_only)
+        if prepared.problem is not None:
+            self._fail_together(check, prepared.problem)
+        ex, sched, last = prepared.executor, prepared.executor.program.schedule, prepared.last
+        try:
+            res = ex.run(prepared.inputs, prepared.labels, criterion, forward_only, return_outputs,
+                         self.record_timeline, check.row())
         except BaseException:
             self.store.clear()
             self.p2p.forget()  # the ranks may disagree on what was learned: learn again next step
@@ -184,11 +224,101 @@ class Pipeline(nn.Module):
             if criterion is not None:
                 loss = torch.stack([res.losses[m] for m in mbs])
             if return_outputs:
-                per_mb = [res.outputs[m] for m in mbs]
-                outputs = tuple(torch.cat([o[i] for o in per_mb], self.batch_dim) for i in range(len(per_mb[0])))
-                if len(outputs) == 1:
-                    outputs = outputs[0]
+                outputs = _joined([res.outputs[m] for m in mbs], self.batch_dim)
         return loss, outputs
+
+    def _prepare(self, out: _Prepared, inputs: Sequence[Any], num_chunks: int, criterion: Callable | None,
+                 labels: Sequence[Any], forward_only: bool) -> None:
+        """Everything a step checks on this rank alone; fills ``out`` (its ``problem`` code says how far it got)."""
+        out.problem_code = 5
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise PipelineError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+        ex = out.executor = self.executor(num_chunks)
+        sched = ex.program.schedule
+        first, last = out.first, out.last = self._chain_here(sched, 0), self._chain_here(sched, -1)
+        out.input_rows = batch_rows(inputs, self.batch_dim, first is not None)
+        out.label_rows = batch_rows(labels, self.batch_dim, last is not None)
+        if first is not None:
+            mbs = sched.microbatches_of(first)
+            out.problem_code = 1
+            if not inputs or all(x is None for x in inputs):
+                raise PipelineError(f"rank {self.rank} holds the first stage of chain {first} and needs the step's "
+                                    "inputs")
+            out.problem_code = 2
+            out.inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs", self.allow_uneven)))
+        if last is not None:
+            mbs = sched.microbatches_of(last)
+            out.problem_code = 4
+            if not forward_only and criterion is None:
+                raise PipelineError(f"rank {self.rank} holds the last stage of chain {last}: a training step needs "
+                                    "criterion here")
+            out.problem_code = 3
+            out.labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels", self.allow_uneven)))
+        out.problem_code = 0
+
+    def _fail_together(self, check: StepCheck, problem: BaseException) -> None:
+        """Take part in the step-start agreement (so the other ranks fail at once too), then raise ``problem``."""
+        try:
+            self.p2p.begin_step(None, check.row())
+            self.p2p.settle()
+        except Exception:  # noqa: BLE001 - this rank's own problem is the error to report
+            pass
+        finally:
+            self.p2p.forget()
+        raise problem
+
+
+class _Prepared:
+    """What ``Pipeline._prepare`` found out about a step on this rank."""
+
+    def __init__(self) -> None:
+        self.executor: Executor | None = None
+        self.first: int | None = None
+        self.last: int | None = None
+        self.inputs: dict[int, tuple] = {}
+        self.labels: dict[int, tuple] = {}
+        self.input_rows = self.label_rows = NOT_HELD
+        self.problem: BaseException | None = None
+        self.problem_code = 0
+
+    def check(self, num_chunks: Any, training: bool) -> StepCheck:
+        n = num_chunks if isinstance(num_chunks, int) and not isinstance(num_chunks, bool) else 0
+        code = self.problem_code if self.problem is not None else 0
+        return StepCheck(n, int(training), self.input_rows, self.label_rows, code)
+
+
+def _joined(per_mb: list[tuple[torch.Tensor, ...]], dim: int) -> Any:
+    """The outputs of the micro-batches, concatenated along ``dim`` where they can be.
+
+    An output that is 0-dim or whose shape varies between micro-batches (other than along
+    ``dim``) comes back as a list with one tensor per micro-batch.
+    """
+    joined = []
+    for i in range(len(per_mb[0])):
+        parts = [o[i] for o in per_mb]
+        shapes = {p.shape[:dim] + p.shape[dim + 1:] if p.dim() > dim else None for p in parts}
+        joined.append(torch.cat(parts, dim) if None not in shapes and len(shapes) == 1 else parts)
+    return joined[0] if len(joined) == 1 else tuple(joined)
+
+
+def _placement_of(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple[tuple[int, ...], ...]:
+    """The schedule's placement, checked at construction: an unknown name or option fails here."""
+    if isinstance(schedule, Schedule):
+        return tuple(tuple(c) for c in schedule.placement)
+    if not isinstance(schedule, str):
+        raise PipelineError(f"schedule must be a registered name or a Schedule, got {type(schedule).__name__}")
+    try:
+        info = schedule_info(schedule)
+    except ScheduleError as exc:
+        raise PipelineError(str(exc)) from None
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        hint = f"allowed: {', '.join(info.options)}" if info.options else "it takes no options"
+        raise PipelineError(f"schedule {schedule!r} got unknown option(s) {', '.join(unknown)}; {hint}")
+    try:
+        return info.layout(num_ranks, **options).ranks
+    except ScheduleError as exc:
+        raise PipelineError(f"schedule {schedule!r} on {num_ranks} ranks: {exc}") from None
 
 
 class DualPipe(Pipeline):

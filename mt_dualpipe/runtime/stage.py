@@ -18,13 +18,15 @@ naming the rank, the op, the stage and the micro-batch (the original chained as 
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .backward import backward_roots, full_backward, split_backward
+from .backward import backward_roots, full_backward, has_reentrant_checkpoint, split_backward
 from .errors import PipelineError
 from .weight_grad import WeightGradStore
 
@@ -82,6 +84,7 @@ class Stage:
         self.store = store
         self.rank = rank
         self.fast = supports_fast_split(module)
+        self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
         self.reset()
 
@@ -136,13 +139,23 @@ class Stage:
             return
         if loss is None and criterion is not None:
             loss = self._loss(mb, criterion, outs, labels)
+        if training and (loss is None or not isinstance(loss, torch.Tensor) or loss.numel() != 1):
+            self._refuse_loss(mb, loss)
         if loss is not None:
             self.losses[mb] = loss
-        if training and loss is None:
-            raise PipelineError(f"{self.name} ends a chain but no criterion was given: a training step needs "
-                                "criterion on the ranks that hold a chain's last stage")
         if keep_outputs:
             self.outputs[mb] = tuple(o.detach() for o in outs)
+
+    def _refuse_loss(self, mb: int, loss: Any) -> None:
+        """A training step needs one scalar loss per micro-batch, as ``loss.backward()`` does."""
+        if loss is None:
+            raise PipelineError(f"{self.name} ends a chain but no criterion was given: a training step needs "
+                                "criterion on the ranks that hold a chain's last stage")
+        is_tensor = isinstance(loss, torch.Tensor)
+        what = f"a tensor of shape {tuple(loss.shape)}" if is_tensor else f"a {type(loss).__name__}"
+        raise PipelineError(f"{self.where('F', mb)}: the criterion returned {what}; a training step needs a "
+                            "scalar loss Tensor per micro-batch (PyTorch's backward() refuses a non-scalar "
+                            "one too): reduce it, e.g. reduction='mean' or .sum()")
 
     def _loss(self, mb: int, criterion: Callable, outs: Sequence[torch.Tensor], labels: Sequence[Any]) -> Any:
         """``criterion(*outputs, *labels)``; a TypeError with no labels given means they are missing."""
@@ -176,7 +189,7 @@ class Stage:
         try:
             if not split:
                 input_grads = full_backward(roots, gs, inputs)
-            elif self.fast:
+            elif self.fast or self.reentrant or (self.reentrant is None and self._reentrant(roots)):
                 with self.store.deferring((self.chain, self.stage, mb)):
                     input_grads = full_backward(roots, gs, inputs)
                 self.pending_w[mb] = _STORE_ONLY
@@ -190,20 +203,76 @@ class Stage:
             raise self._error("B" if split else "BW", mb, exc) from exc
         self.after_backward(mb, input_grads, split)
 
+    def _reentrant(self, roots: list) -> bool:
+        """Whether this stage uses reentrant checkpointing (checked at its first split B).
+
+        Its B then runs one full backward (weight gradients included, deferring layers still
+        deferred): torch cannot split a backward through a reentrant checkpoint.
+        """
+        if self.reentrant is None:
+            self.reentrant = has_reentrant_checkpoint(roots)
+            if self.reentrant:
+                warnings.warn(f"{self.name} uses torch.utils.checkpoint(use_reentrant=True), whose backward cannot "
+                              "be split: its B computes the weight gradients too (W has nothing left). Pass "
+                              "use_reentrant=False to keep them for W.", stacklevel=2)
+        return self.reentrant
+
     def after_backward(self, mb: int, input_grads: list, split: bool) -> None:
         if not self.is_first:
+            for g in input_grads:  # (not ``None in``: that compares every tensor with None)
+                if g is None:
+                    input_grads = self._sendable(mb, input_grads)
+                    break
             self.input_grads[mb] = input_grads
         if self.is_last:
             self.losses[mb] = self.losses[mb].detach()
         if not split:
             self._drop(mb)
 
+    def _sendable(self, mb: int, input_grads: list) -> list:
+        """Zeros for an input that takes a gradient but got none in this micro-batch.
+
+        Whether an input gets a gradient can change from step to step (a stage returns
+        ``(h, aux)`` and the criterion uses ``aux`` only sometimes); the message to the previous
+        stage must keep one layout, so "no gradient" travels as zeros, which add nothing there.
+        """
+        for i, g in enumerate(input_grads):
+            if g is None:
+                x = self.inputs[mb][i]
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    input_grads[i] = torch.zeros_like(x)
+        return input_grads
+
+    def take_input_grads(self, mb: int) -> list[torch.Tensor | None]:
+        """The input gradients of ``mb``'s B, handed to the previous stage on this rank (a V's turn)."""
+        return self.input_grads.pop(mb)
+
+    # ----- an overlapped F&B unit (the stage class's ``overlapped_forward_backward``) ----------------
+    def overlapped_roots(self, mb: int, grads: Sequence[torch.Tensor | None] | None) -> tuple:
+        """(loss, outputs, output grads) that ``overlapped_forward_backward`` starts the B of ``mb`` from."""
+        if self.is_last:
+            return self.losses[mb], [], []
+        outputs, output_grads = backward_roots(self.outputs[mb], grads)
+        return None, outputs, output_grads
+
+    def backward_context(self, mb: int, split: bool) -> Any:
+        """While an overlapped B of ``mb`` runs: the store defers weight GEMMs when ``split``."""
+        return self.store.deferring((self.chain, self.stage, mb)) if split else contextlib.nullcontext()
+
+    def finish_overlapped_backward(self, mb: int, split: bool) -> None:
+        """After an overlapped B: its input grads are the inputs' ``.grad``; W runs the store's group."""
+        input_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
+                       for x in self.inputs[mb]]
+        if split:
+            self.pending_w[mb] = _STORE_ONLY
+        self.after_backward(mb, input_grads, split)
+
     def weight(self, mb: int) -> None:
         """W: the weight gradients B left behind (the store's closures and/or the generic split's rest)."""
         w = self.pending_w.pop(mb, None)
         if w is not None:
             try:
-                self.store.run((self.chain, self.stage, mb))  # "store" alone: set by the executor's overlapped F&B
+                self.store.run((self.chain, self.stage, mb))
                 if type(w) is tuple and w[1] is not None:
                     w[1].run()
             except PipelineError:

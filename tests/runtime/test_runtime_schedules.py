@@ -13,7 +13,7 @@ import torch
 from mt_dualpipe.schedules import build_schedule, list_schedules, simulate
 from mt_dualpipe.schedules.registry import accepts
 from tests.helpers.dist import run_ranks
-from tests.test_runtime_models import check_against_reference, make_data, make_layers, pipeline_worker
+from tests.helpers.models import check_against_reference, make_data, make_layers, pipeline_worker
 
 
 def _cases(P: int) -> list[tuple[str, int]]:
@@ -63,7 +63,7 @@ def test_peak_activations_equal_simulation(P):
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_inference_step_matches_reference_and_keeps_grads(P):
-    from tests.test_runtime_models import reference
+    from tests.helpers.models import reference
 
     cases, results = _results(P)
     for (sched, layers, x, lab), res in zip(cases, results):

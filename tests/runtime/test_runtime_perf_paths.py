@@ -12,18 +12,32 @@ import torch
 import torch.nn as nn
 
 from mt_dualpipe.runtime.errors import PipelineError
-from mt_dualpipe.runtime.executor import _B, _BW, _F, _FB, _LAST, _POST, _W, Executor
+from mt_dualpipe.runtime.executor import Executor, PlannedOp
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from mt_dualpipe.schedules import build_schedule
 from mt_dualpipe.schedules.ir import Op, Program
 from mt_dualpipe.schedules.lower import lower
+from mt_dualpipe.schedules.ops import OpKind
 from tests.helpers.dist import run_ranks
+
+
+class _Unconnected:
+    """Planning binds ``take`` of the rank's P2P without calling it; no step runs in these tests."""
+
+    def take(self, key, consumer, requires_grad):
+        raise AssertionError("planning must not receive")
 
 
 def _executor(name: str, P: int, M: int, rank: int) -> Executor:
     sched = build_schedule(name, P, M)
     mods = [nn.Linear(2, 2) for _ in sched.local_stages(rank)]
-    return Executor(lower(sched), rank, mods, None, WeightGradStore())
+    return Executor(lower(sched), rank, mods, _Unconnected(), WeightGradStore())
+
+
+def _source(entry: PlannedOp) -> object:
+    """What a planned op's ``fetch`` is bound to: (function name, arguments)."""
+    f = entry.fetch
+    return (f.func.__name__, f.args) if hasattr(f, "func") else (f.__name__, ())
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -31,41 +45,58 @@ def test_plan_resolves_every_source_once(rank):
     ex = _executor("dualpipev", 2, 4, rank)
     plan = ex.plan(False)
     assert plan is ex.plan(False)  # built once per program
-    assert [(i, ins) for _, i, ins, _, _ in plan] == list(enumerate(ex.program.ranks[rank]))
+    whole = {OpKind.COMM: lambda e: e.batch, OpKind.FB: lambda e: e.item}
+    assert [(e.index, whole.get(e.kind, lambda e: e.op)(e)) for e in plan] == list(enumerate(ex.program.ranks[rank]))
     placement = ex.placement[0]  # dualpipev: one chain of 4 stages in a V over 2 ranks
-    for code, _, ins, st, src in plan:
-        if code in (_POST, _FB):
-            continue
-        assert st is ex.stages[ins.chain, ins.stage]
+    ops = [x for e in plan if e.kind is not OpKind.COMM for x in ((e.f, e.b) if e.kind is OpKind.FB else (e,))]
+    assert any(e.kind is OpKind.FB for e in plan)
+    for e in ops:
+        ins = e.op
+        assert e.stage is ex.stages[ins.chain, ins.stage]
         s, m = ins.stage, ins.mb
-        if code == _F:
+        src = _source(e) if e.fetch is not None else None
+        if e.kind is OpKind.F:
             if s == 0:
-                assert src is None
+                assert src == ("_step_inputs", (ins,))
             elif placement[s - 1] == rank:
-                assert src is ex.stages[0, s - 1]  # the turn of the V: handed over locally
+                assert src == ("_handed_over", (ex.stages[0, s - 1], m))  # the turn of the V: handed over locally
             else:
-                assert src == ("F", 0, s - 1, m)
-        elif code in (_B, _BW):
+                assert src == ("take", (("F", 0, s - 1, m), (e.index, ins), True))
+        elif e.kind in (OpKind.B, OpKind.BW):
             if s == len(placement) - 1:
-                assert src is _LAST
+                assert src == ("_no_grads", ())
             elif placement[s + 1] == rank:
-                assert src is ex.stages[0, s + 1]
+                assert src == ("take_input_grads", (m,)) and e.fetch.func.__self__ is ex.stages[0, s + 1]
             else:
-                assert src == ("B", 0, s + 1, m)
+                assert src == ("take", (("B", 0, s + 1, m), (e.index, ins), False))
         else:
-            assert code == _W and src is None
-    posts = [a for code, _, _, a, _ in plan if code == _POST]
-    kinds = sorted(c.kind for comms in posts for _, c, _, _ in comms)
+            assert e.kind is OpKind.W and src is None
+    posts = [e for e in plan if e.kind is OpKind.COMM]
+    kinds = sorted(pc.op.kind for e in posts for pc in e.comms)
     n_comm = sum(len(ins.ops) for ins in ex.program.ranks[rank] if type(ins).__name__ == "CommBatch")
     assert len(kinds) == n_comm and n_comm > 0
+    for pc in (pc for e in posts for pc in e.comms):  # a send's key is its own signal, a receive's its producer's
+        c = pc.op
+        expected = {"SEND_F": ("F", c.stage), "RECV_F": ("F", c.stage - 1), "SEND_B": ("B", c.stage),
+                    "RECV_B": ("B", c.stage + 1)}[c.kind]
+        assert pc.key == (expected[0], c.chain, expected[1], c.mb)
+
+
+def test_plan_plans_fb_units_like_plain_ops():
+    ex = _executor("dualpipe", 2, 4, 0)
+    units = [e for e in ex.plan(False) if e.kind is OpKind.FB]
+    assert units, "dualpipe at P=2, M=4 has F&B units"
+    for u in units:
+        assert (u.f.kind, u.f.op) == (OpKind.F, u.item.f) and u.b.op == u.item.b
+        assert u.b.kind in (OpKind.B, OpKind.BW) and u.overlapped is None  # nn.Linear has no overlapped F&B
 
 
 def test_plan_forward_only_keeps_forward_ops_and_messages():
     ex = _executor("zbv", 2, 4, 1)
     plan = ex.plan(True)
-    assert {code for code, *_ in plan} <= {_F, _POST}
-    assert sum(code == _F for code, *_ in plan) == 2 * 4  # two stages on rank 1, four micro-batches
-    assert all(c.kind in ("SEND_F", "RECV_F") for code, _, _, a, _ in plan if code == _POST for _, c, _, _ in a)
+    assert {e.kind for e in plan} <= {OpKind.F, OpKind.COMM}
+    assert sum(e.kind is OpKind.F for e in plan) == 2 * 4  # two stages on rank 1, four micro-batches
+    assert all(pc.op.kind in ("SEND_F", "RECV_F") for e in plan if e.kind is OpKind.COMM for pc in e.comms)
 
 
 def test_plan_refuses_an_op_of_a_stage_the_rank_does_not_run():

@@ -19,7 +19,7 @@ from mt_dualpipe.runtime.stage import Stage
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from mt_dualpipe.schedules import build_schedule
 from tests.helpers.dist import run_ranks
-from tests.test_runtime_models import H, cos_diff
+from tests.helpers.models import H, cos_diff
 
 
 class Multi(nn.Module):

@@ -120,10 +120,10 @@ def _worker(rank: int, world: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runtime_errors(tmp_path_factory) -> list[dict]:
-    from tests.test_resilience_dist import _launch
+    from tests.helpers.launch import launch
 
     out = tmp_path_factory.mktemp("bad_input")
-    assert _launch(_worker, 2, str(out), timeout=120) == [0, 0]
+    assert launch(_worker, 2, str(out), timeout=120) == [0, 0]
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

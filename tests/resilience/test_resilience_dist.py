@@ -6,17 +6,14 @@ relaunching from the last complete checkpoint. Every run is compared bit-for-bit
 
 from __future__ import annotations
 
-import datetime
 import os
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from mt_dualpipe.resilience import KILL_EXIT_CODE, FaultInjector, FaultKind, Rewind, RewindError, fresh_group
-from tests.helpers.dist import free_port
+from tests.helpers.launch import launch
 
 DIM, BATCH, CHUNKS = 6, 8, 4
 
@@ -54,36 +51,6 @@ def _plan(rank: int, plan: list[tuple]) -> FaultInjector:
         getattr(f, {"nan": "nan", "raise": "raise_in", "kill": "kill"}[kind])(fault_rank, step, op=op) \
             if kind != "kill" else f.kill(fault_rank, step, when=op)
     return f
-
-
-def _launch_child(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    fn(rank, world, *args)
-    os._exit(0)  # skip teardown of groups a dead peer left broken
-
-
-def _launch(fn, world: int, *args, timeout: float = 90.0) -> list[int | None]:
-    """Run ``fn(rank, world, *args)`` on ``world`` ranks; returns the exit codes (killed ranks included)."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_launch_child, args=(r, world, port, fn, args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    if None in codes:
-        raise TimeoutError(f"ranks hung: exit codes {codes}")
-    return codes
 
 
 def _params(mods) -> list[torch.Tensor]:
@@ -135,7 +102,7 @@ def fault_runs(tmp_path_factory) -> dict[str, list[dict]]:
     scenarios = [("nan", "1f1b", 7, [("nan", 1, 3, "forward")], 20.0, "skip"),
                  ("raise", "1f1b", 6, [("raise", 0, 3, "forward")], 2.0, "retry"),
                  ("dualpipe", "dualpipe", 6, [("nan", 0, 1, "backward"), ("raise", 1, 4, "forward")], 2.0, "skip")]
-    assert _launch(_fault_worker, 2, str(out), scenarios) == [0, 0]
+    assert launch(_fault_worker, 2, str(out), scenarios) == [0, 0]
     return {name: [torch.load(out / f"{name}{r}.pt") for r in range(2)] for name, *_ in scenarios}
 
 
@@ -204,11 +171,11 @@ def kill_chain(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("kills")
     ckpt = str(out / "ckpt")
     chain: dict = {"ckpt": ckpt}
-    chain["codes"] = [_launch(_resume_worker, 2, ckpt, str(out), STEPS, [("kill", 0, 4, "commit")], "a")]
+    chain["codes"] = [launch(_resume_worker, 2, ckpt, str(out), STEPS, [("kill", 0, 4, "commit")], "a")]
     chain["a"] = torch.load(out / "a1.pt")
-    chain["codes"].append(_launch(_resume_worker, 2, ckpt, str(out), STEPS, [("kill", 1, 7, "forward")], "b"))
+    chain["codes"].append(launch(_resume_worker, 2, ckpt, str(out), STEPS, [("kill", 1, 7, "forward")], "b"))
     chain["b"] = torch.load(out / "b0.pt")
-    chain["codes"].append(_launch(_resume_worker, 2, ckpt, str(out), STEPS, [], "c"))
+    chain["codes"].append(launch(_resume_worker, 2, ckpt, str(out), STEPS, [], "c"))
     chain["c"] = [torch.load(out / f"c{r}.pt") for r in range(2)]
     return chain
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 from mt_dualpipe.resilience import (
+    CheckpointError,
     CheckpointManager,
     FaultInjector,
     FaultKind,
@@ -161,7 +163,7 @@ def test_consecutive_faults_stop_with_an_error_naming_step_and_cause():
     for _ in range(3):
         faults.nan(rank=0, step=2)
     rw, _ = make_rewind(snapshot_every=1, max_retries=2, skip_policy="retry", faults=faults)
-    with pytest.raises(RewindError, match=r"step 2 \(data position 2\): nonfinite loss .*3 consecutive faults "
+    with pytest.raises(RewindError, match=r"step 2 \(data position 2\): non-finite loss .*3 consecutive faults "
                                           r"\(max_retries=2\)"):
         rw.run(batch_fn, 5)
     assert rw.counters["rewinds"] == 2 and rw.counters["faults"] == 3
@@ -271,9 +273,10 @@ def test_interrupted_commit_leaves_previous_checkpoint_loadable(tmp_path):
     def crash(step: int) -> None:
         raise KeyboardInterrupt("killed mid-write")
 
-    rw.checkpoints.before_commit = crash
+    rw.checkpoints.before_commit = crash  # runs in the commit thread, right before the rename
     rw.run(batch_fn, 6)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(CheckpointError, match=r"committing the checkpoint of step 6 \(.*\.tmp_step_00000006\) "
+                                              "failed: killed mid-write"):
         rw.close()
     assert os.path.isdir(tmp_path / ".tmp_step_00000006")
     mgr = CheckpointManager(tmp_path)  # a restart: cleans the partial write, finds the last complete one
@@ -282,6 +285,20 @@ def test_interrupted_commit_leaves_previous_checkpoint_loadable(tmp_path):
     snap = mgr.load(4)
     assert snap.step == 4 and snap.position == 4
     assert_bit_equal([t for m in snap.modules for t in m.values()], clean_run(list(range(4))))
+
+
+@pytest.mark.parametrize("use_async", [True, False])
+def test_checkpoint_commits_as_soon_as_written_without_a_poll(tmp_path, use_async):
+    """The commit does not wait for the training thread's next step: it happens once the write ends."""
+    mods = make_model()
+    opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=0.1)
+    mgr = CheckpointManager(tmp_path, use_async=use_async)
+    mgr.save(take_snapshot(2, 2, mods, opt))
+    deadline = time.monotonic() + 60
+    while not mgr.complete_steps() and time.monotonic() < deadline:  # no poll(), no wait()
+        time.sleep(0.05)
+    assert mgr.complete_steps() == [2] and not os.path.exists(tmp_path / ".tmp_step_00000002")
+    assert mgr.poll() == 2 and mgr.committed == [2] and mgr.poll() is None
 
 
 def test_thread_fallback_checkpoint_roundtrip(tmp_path):
@@ -319,7 +336,7 @@ def test_grad_norm_and_agreement_verdict():
     report.fault(FaultKind.NONFINITE_LOSS, "loss")
     report.fault(FaultKind.LOSS_SPIKE, "spike")  # less severe: ignored
     v = single.decide(4, report)
-    assert v.kind == FaultKind.NONFINITE_LOSS and v.describe() == "nonfinite loss (rank 0: loss)"
+    assert v.kind == FaultKind.NONFINITE_LOSS and v.describe() == "non-finite loss (rank 0: loss)"
 
 
 def test_snapshot_reuses_a_discarded_snapshots_buffers():

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from tests.helpers.dist import run_ranks
-from tests.test_runtime_models import cos_diff
+from tests.helpers.models import cos_diff
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from toy_pipeline import (  # noqa: E402
     LinearFunc,  # noqa: E402  (the examples' stage: deferred linears + F&B hook)
     criterion,

@@ -1,0 +1,85 @@
+"""``split_model``: cut a stack of layers into a schedule's stages and hand a rank its own.
+
+A user with an ``nn.Sequential`` (or a list of layers) should not have to build a throwaway
+schedule to learn which stages a rank holds. The stages are contiguous runs of layers, balanced so
+that the most expensive stage is as cheap as possible (the pipeline runs at the pace of its slowest
+stage); a layer's cost is its parameter count unless ``costs`` are given (e.g. measured times).
+Every chain of a placement runs the same stages, so a dual placement's second chain gets the same
+cut (its modules are the mirrored copies a ``DualPipe`` keeps in sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..schedules.errors import ScheduleError
+from ..schedules.ir import Schedule
+from ..schedules.registry import schedule_info
+from .errors import PipelineError
+
+
+def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Boundaries ``[0, c1, ..., len(costs)]`` of ``num_stages`` non-empty contiguous parts with the
+    smallest possible maximum part cost (ties: the earliest cut), by dynamic programming."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max cost of splitting the first i layers into k parts; cut[k][i]: its last cut
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds = [n]
+    for k in range(num_stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _placement(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple[tuple[int, ...], ...]:
+    if isinstance(schedule, Schedule):
+        return tuple(tuple(c) for c in schedule.placement)
+    try:
+        return schedule_info(schedule).layout(num_ranks, **options).ranks
+    except ScheduleError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def split_model(layers: nn.Sequential | Sequence[nn.Module], schedule: str | Schedule, rank: int,
+                num_ranks: int | None = None, *, costs: Sequence[float] | None = None,
+                schedule_options: dict | None = None) -> list[nn.Module]:
+    """The stage modules of ``rank`` for ``schedule``, in the order ``Pipeline`` takes them.
+
+    ``layers`` is cut into the schedule's stages (contiguous, balanced by parameter count or by
+    ``costs``, one number per layer); each stage is an ``nn.Sequential`` of its layers (the layer
+    objects themselves, not copies). ``num_ranks`` defaults to the world size of the initialised
+    default process group. Pass the result to ``Pipeline(split_model(...), schedule)``.
+    """
+    layers = list(layers)
+    if num_ranks is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PipelineError("split_model needs num_ranks= when torch.distributed is not initialized")
+        num_ranks = dist.get_world_size()
+    placement = _placement(schedule, num_ranks, dict(schedule_options or {}))
+    num_stages = len(placement[0])
+    if not 0 <= rank < num_ranks:
+        raise PipelineError(f"rank must be in 0..{num_ranks - 1}, got {rank}")
+    if len(layers) < num_stages:
+        raise PipelineError(f"the model has {len(layers)} layer(s) but the schedule on {num_ranks} ranks has "
+                            f"{num_stages} stages per chain; give at least one layer per stage")
+    if costs is None:
+        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    elif len(costs) != len(layers) or any(c < 0 for c in costs):
+        raise PipelineError(f"costs must be {len(layers)} non-negative numbers, one per layer; got {list(costs)}")
+    bounds = balanced_cuts(list(costs), num_stages)
+    local = [s for chain in placement for s, r in enumerate(chain) if r == rank]
+    return [nn.Sequential(*layers[bounds[s]: bounds[s + 1]]) for s in local]
