@@ -125,8 +125,9 @@ def _ep_worker(rank, world):
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref)
     y_ref.sum().backward()
+    # fp32 sums run in another order on each side: the same tolerance for the output and its gradient
     torch.testing.assert_close(y, y_ref[rows], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x_loc.grad, x_ref.grad[rows], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x_loc.grad, x_ref.grad[rows], rtol=1e-5, atol=1e-6)
     return True
 
 
