@@ -34,11 +34,7 @@ def add_grad_reduction(schedule: Schedule, when: str = "last_w") -> Schedule:
         return schedule
     ranks: list[list[ComputeItem]] = []
     for r, ops in enumerate(schedule.ranks):
-        last: dict[tuple[int, int], int] = {}
-        for i, item in enumerate(ops):
-            for op in (item.f, item.b) if type(item) is FB else (item,):
-                if op.kind in WEIGHT_GRAD_KINDS:
-                    last[(op.chain, op.stage)] = i
+        last = last_weight_grads(ops)
         missing = set(schedule.local_stages(r)) - set(last)
         if missing:
             c, s = sorted(missing)[0]
@@ -52,6 +48,16 @@ def add_grad_reduction(schedule: Schedule, when: str = "last_w") -> Schedule:
             out.extend(after.get(i, ()))
         ranks.append(out)
     return replace(schedule, ranks=ranks, meta={**schedule.meta, "data_parallel": True})
+
+
+def last_weight_grads(ops: list[ComputeItem]) -> dict[tuple[int, int], int]:
+    """For one rank's ops: (chain, stage) -> index of the last item holding a W or BW of that stage."""
+    last: dict[tuple[int, int], int] = {}
+    for i, item in enumerate(ops):
+        for op in (item.f, item.b) if type(item) is FB else (item,):
+            if op.kind in WEIGHT_GRAD_KINDS:
+                last[(op.chain, op.stage)] = i
+    return last
 
 
 def has_grad_reduction(schedule: Schedule) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from . import ops as K
 from ._perf import gc_paused
+from .data_parallel import last_weight_grads
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Op, Program, Schedule
 from .ops import (
@@ -31,7 +32,6 @@ from .ops import (
     COMPUTE_KINDS,
     SENDS_TO,
     STAGE_KINDS,
-    WEIGHT_GRAD_KINDS,
     OpTable,
     Signal,
 )
@@ -154,11 +154,7 @@ def _check_reductions(schedule: Schedule, stage_ops: list[tuple[int, int, Op]]) 
             raise ScheduleError(f"rank {r} op {i} {op}: duplicate, already at rank {r} op {found[(c, s)][1]}")
         found[(c, s)] = (r, i)
     for r, ops in enumerate(schedule.ranks):
-        last: dict[tuple[int, int], int] = {}
-        for i, item in enumerate(ops):
-            for op in (item.f, item.b) if type(item) is FB else (item,):
-                if op.kind in WEIGHT_GRAD_KINDS:
-                    last[(op.chain, op.stage)] = i
+        last = last_weight_grads(ops)
         for cs in schedule.local_stages(r):
             if cs not in found:
                 raise ScheduleError(f"rank {r}: stage (c{cs[0]},s{cs[1]}) has no REDUCE_GRAD; a data-parallel "

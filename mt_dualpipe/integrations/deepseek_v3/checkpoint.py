@@ -20,8 +20,8 @@ from ..hf_checkpoint import (
     FP8_QUANTIZATION_CONFIG,
     Checkpoint,
     CheckpointError,
+    build_on_meta,
     load_module,
-    materialize,
     prepare_tensors,
     save_tensors,
 )
@@ -80,15 +80,7 @@ def build_loaded(factory: Callable[[], nn.Module], checkpoint: PathLike | Checkp
     """``factory()`` built on the meta device (no init pass), given storage on ``device`` in ``dtype``,
     then loaded from ``checkpoint``. ``fp8``: convert the linears to ``FP8Linear`` first, so an FP8
     checkpoint's weights and block scales become their quantised weights as stored."""
-    with torch.device("meta"):
-        module = factory()
-    if dtype is not None:
-        module.to(dtype)
-    materialize(module, device)
-    if fp8:
-        from ..fp8 import convert_to_fp8
-
-        convert_to_fp8(module)
+    module = build_on_meta(factory, dtype=dtype, device=device, fp8=fp8)
     load_weights(module, checkpoint, config)
     return module
 

@@ -64,16 +64,10 @@ def read_config_json(source: str | Path) -> dict[str, Any]:
 
 def _rope(data: dict[str, Any]) -> tuple[float | None, Any]:
     """(rope_theta, YarnScaling | None) from ``rope_scaling`` (released) or ``rope_parameters`` (transformers 5)."""
+    from ..hf_checkpoint import rope_params
     from .config import YarnScaling
 
-    params = data.get("rope_parameters") or data.get("rope_scaling")
-    theta = data.get("rope_theta")
-    if not params:
-        return theta, None
-    params = dict(params)
-    theta = params.pop("rope_theta", theta)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    theta, kind, params = rope_params(data)
     if kind == "default":
         return theta, None
     if kind != "yarn":

@@ -14,8 +14,8 @@ from ..hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
     FP8_QUANTIZATION_CONFIG,
     Checkpoint,
+    build_on_meta,
     load_module,
-    materialize,
     prepare_tensors,
     save_tensors,
 )
@@ -33,15 +33,7 @@ def is_fp8_weight(name: str) -> bool:
 def build_loaded(factory: Callable[[], nn.Module], checkpoint: str | os.PathLike | Checkpoint, *,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu", fp8: bool = False) -> nn.Module:
     """Build on meta, give storage, optionally convert to FP8, load this module's own tensors."""
-    with torch.device("meta"):
-        module = factory()
-    if dtype is not None:
-        module.to(dtype)
-    materialize(module, device)
-    if fp8:
-        from ..fp8 import convert_to_fp8
-
-        convert_to_fp8(module)
+    module = build_on_meta(factory, dtype=dtype, device=device, fp8=fp8)
     load_module(module, open_checkpoint(checkpoint), lambda key: key)
     return module
 

@@ -130,14 +130,9 @@ class LlamaConfig:
 
 
 def _rope(data: dict[str, Any]) -> tuple[float | None, Llama3RopeScaling | None]:
-    params = data.get("rope_parameters") or data.get("rope_scaling")
-    theta = data.get("rope_theta")
-    if not params:
-        return theta, None
-    params = dict(params)
-    theta = params.pop("rope_theta", theta)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    from ..hf_checkpoint import rope_params
+
+    theta, kind, params = rope_params(data)
     if kind == "default":
         return theta, None
     if kind != "llama3":
