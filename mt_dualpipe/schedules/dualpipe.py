@@ -1,6 +1,6 @@
 """DualPipe (two mirrored chains) and DualPipeV (one chain in a V) — one ordering, two placements.
 
-Both follow the eight-step order of SCHEDULES.md ("The reference DualPipe order"). A rank sees two
+Both follow the eight-step order of docs/schedules.md ("The DualPipe order, step by step"). A rank sees two
 stage-streams, "own" (the one that enters nearer to it) and "other"; the steps only say which
 stream's next F, B or W comes next, so one function serves both placements:
 
