@@ -6,7 +6,7 @@ from mt_dualpipe.schedules import Costs, Schedule, ScheduleError, build_schedule
 
 
 def unit() -> Costs:
-    """F = B = W = 1: the costs the schedule reference's worked values use."""
+    """F = B = W = 1: the costs the worked values of docs/schedules.md use."""
     return Costs(1, 1, 1)
 
 

@@ -17,12 +17,12 @@ from mt_dualpipe.integrations.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
     DeepSeekV3Stage,
-    build_stages,
     criterion_for,
     stages_for_rank,
     sync_replicas,
 )
 from mt_dualpipe.integrations.deepseek_v3.moe import MoE
+from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
 
 torch.set_num_threads(1)
@@ -82,24 +82,7 @@ def _ep_overlap_worker(rank, world):
     model = DeepSeekV3Model(config)
     x0, _ = make_batch(config, 2, 16, seed=10 + rank)
     x1, y1 = make_batch(config, 2, 16, seed=20 + rank)
-    results = []
-    for overlapped in (False, True):
-        first, last = build_stages(config, 2, source=model, ep_group=dist.group.WORLD)
-        h1 = first(x1)
-        h1_in = h1.detach().requires_grad_()
-        loss1 = last.criterion(last(h1_in), y1)
-        if overlapped:
-            (out0,), _ = DeepSeekV3Stage.overlapped_forward_backward(first, [x0], None, [], last, loss1, [], [])
-        else:
-            out0 = first(x0)
-            loss1.backward()
-        grads = {n: p.grad.clone() for m in (first, last) for n, p in m.named_parameters() if p.grad is not None}
-        results.append((out0.detach(), grads, h1_in.grad.clone()))
-    (o_a, g_a, i_a), (o_b, g_b, i_b) = results
-    assert torch.equal(o_a, o_b) and torch.equal(i_a, i_b)
-    assert g_a.keys() == g_b.keys()
-    assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
-    return True
+    return overlapped_equals_sequential(config, model, x0, x1, y1)
 
 
 def test_overlapped_forward_backward_with_expert_parallel_all_to_all(two_ranks):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, DeepSeekV3Stage, build_stages
+from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
 from mt_dualpipe.integrations.deepseek_v3.expert_parallel import fp8_row_bytes, pack_fp8, unpack_fp8
 from mt_dualpipe.integrations.deepseek_v3.moe import MLP, MoE
 from mt_dualpipe.integrations.fp8 import convert_to_fp8
 from mt_dualpipe.integrations.fp8.quantize import dequantize, quantize_tiles
+from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
 
 torch.set_num_threads(1)
@@ -70,21 +71,7 @@ def test_overlapped_forward_backward_with_fp8_dispatch_is_bit_identical():
     g = torch.Generator().manual_seed(1)
     x0, x1 = (torch.randint(0, config.vocab_size, (2, 16), generator=g) for _ in range(2))
     y1 = torch.randint(0, config.vocab_size, (2, 16), generator=g)
-    results = []
-    for overlapped in (False, True):
-        first, second = build_stages(config, 2, source=model)
-        h1_in = first(x1).detach().requires_grad_()
-        loss1 = second.criterion(second(h1_in), y1)
-        if overlapped:
-            outputs0, _ = DeepSeekV3Stage.overlapped_forward_backward(first, [x0], None, [], second, loss1, [], [])
-        else:
-            outputs0 = [first(x0)]
-            loss1.backward()
-        grads = {n: p.grad.clone() for n, p in second.named_parameters() if p.grad is not None}
-        results.append((outputs0[0].detach(), grads, h1_in.grad.clone()))
-    (o_a, g_a, e_a), (o_b, g_b, e_b) = results
-    assert torch.equal(o_a, o_b) and torch.equal(e_a, e_b) and len(g_a) > 5
-    assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+    assert overlapped_equals_sequential(config, model, x0, x1, y1)
 
 
 def _saved_bytes(fn) -> int:
@@ -142,22 +129,7 @@ def _ep_overlap_worker(rank, world):
     model = DeepSeekV3Model(config)
     g = torch.Generator().manual_seed(10 + rank)
     x0, x1, y1 = (torch.randint(0, config.vocab_size, (2, 16), generator=g) for _ in range(3))
-    results = []
-    for overlapped in (False, True):
-        first, last = build_stages(config, 2, source=model, ep_group=dist.group.WORLD)
-        h1_in = first(x1).detach().requires_grad_()
-        loss1 = last.criterion(last(h1_in), y1)
-        if overlapped:
-            (out0,), _ = DeepSeekV3Stage.overlapped_forward_backward(first, [x0], None, [], last, loss1, [], [])
-        else:
-            out0 = first(x0)
-            loss1.backward()
-        grads = {n: p.grad.clone() for m in (first, last) for n, p in m.named_parameters() if p.grad is not None}
-        results.append((out0.detach(), grads, h1_in.grad.clone()))
-    (o_a, g_a, i_a), (o_b, g_b, i_b) = results
-    assert torch.equal(o_a, o_b) and torch.equal(i_a, i_b) and g_a.keys() == g_b.keys()
-    assert all(torch.equal(g_a[k], g_b[k]) for k in g_a)
-    return True
+    return overlapped_equals_sequential(config, model, x0, x1, y1)
 
 
 def test_overlapped_fp8_dispatch_over_two_ep_ranks():

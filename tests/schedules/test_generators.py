@@ -1,4 +1,4 @@
-"""The single-chain generators (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv) against SCHEDULES.md.
+"""The single-chain generators (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv) against docs/schedules.md.
 
 Pure Python, no torch: every figure is simulated from the generated orders, never copied from them.
 """
@@ -36,7 +36,7 @@ def sim(name: str, P: int, M: int, costs: Costs | None = None, **options):
     return simulate(build_schedule(name, P, M, **options), costs or Costs(1, 1, 1))
 
 
-# ----- the worked values of SCHEDULES.md ---------------------------------------------------------
+# ----- the worked values of docs/schedules.md ---------------------------------------------------------
 
 @pytest.mark.parametrize("name, P, M, makespan, peak", [
     ("gpipe", 4, 8, 33, 8),
