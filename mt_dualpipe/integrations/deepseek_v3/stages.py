@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
+from ...schedules.placements import make_placement
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .mla import RMSNorm
@@ -256,13 +257,13 @@ def _recomputed(stage: DeepSeekV3Stage, policy: str) -> DeepSeekV3Stage:
 def dualpipe_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
     """DualPipe: rank r holds stage r of one direction and stage P−1−r of the other (P stages)."""
     _check_rank(rank, num_ranks)
-    return rank, num_ranks - 1 - rank
+    return tuple(s for _, s in make_placement("dual", num_ranks, 2).local_stages(rank))
 
 
 def v_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
     """V schedules (DualPipeV, ZB-V): rank r holds stages r and 2P−1−r of 2P stages."""
     _check_rank(rank, num_ranks)
-    return rank, 2 * num_ranks - 1 - rank
+    return tuple(s for _, s in make_placement("v", num_ranks, 1).local_stages(rank))
 
 
 def _check_rank(rank: int, num_ranks: int) -> None:
