@@ -83,8 +83,10 @@ class _DeferredLinearFunction(torch.autograd.Function):
 class DeferredLinear(nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters, init and state dict) whose weight gradient may run at W.
 
-    Deferred weight gradients bypass autograd's accumulation (they are written to ``.grad`` when W
-    runs), so gradient hooks registered on the parameters do not see them.
+    Deferred weight gradients are accumulated by autograd's own AccumulateGrad when W runs
+    (``WeightGradStore.put_grads``), so ``register_post_accumulate_grad_hook`` fires once per W with
+    the gradient (tensor hooks, ``register_hook``, see it too, at W); in a pipeline's B the
+    parameters are not engine targets, so nothing fires there.
     """
 
     supports_deferred_weight_grad = True

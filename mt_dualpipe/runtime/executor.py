@@ -35,7 +35,7 @@ from .stage import Stage
 from .weight_grad import WeightGradStore
 
 F, B, W, BW = OpKind.F, OpKind.B, OpKind.W, OpKind.BW
-FB_KIND, COMM = OpKind.FB, OpKind.COMM
+FB_KIND, COMM, REDUCE = OpKind.FB, OpKind.COMM, OpKind.REDUCE_GRAD
 ACT = Signal.ACT
 SENDS = {SEND_RECV[sig][0]: sig for sig in SEND_RECV}  # send kind -> the signal it carries
 
@@ -98,7 +98,17 @@ class PlannedFB:
     kind: OpKind = FB_KIND
 
 
-Planned = PlannedPost | PlannedOp | PlannedFB
+@dataclass(frozen=True, slots=True)
+class PlannedReduce:
+    """REDUCE_GRAD of one stage: post its data-parallel gradient reduction (``sync.start()``), don't wait."""
+
+    index: int
+    op: Op
+    sync: Any  # parallel.GradSync / FSDPStageSync: begin_step(), start(), wait()
+    kind: OpKind = REDUCE
+
+
+Planned = PlannedPost | PlannedOp | PlannedFB | PlannedReduce
 
 
 class RunResult:
@@ -114,16 +124,20 @@ class Executor:
     """Runs the program of ``rank`` with this rank's stage modules (in ``local_stages`` order)."""
 
     def __init__(self, program: Program, rank: int, modules: Sequence[nn.Module], p2p: P2P,
-                 store: WeightGradStore):
+                 store: WeightGradStore, syncs: dict[tuple[int, int], Any] | None = None,
+                 rank_name: str | None = None):
         sched = program.schedule
         self.program, self.rank, self.p2p, self.store = program, rank, p2p, store
+        self.syncs = dict(syncs or {})
+        self.rank_name = rank_name or f"rank {rank}"
         self.placement = sched.placement
         local = sched.local_stages(rank)
         if len(local) != len(modules):
             raise PipelineError(
                 f"rank {rank} runs {len(local)} stage(s) {local} of schedule {sched.name!r} but was given "
                 f"{len(modules)} module(s); pass one module per stage, in (chain, stage) order")
-        self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store, rank=rank)
+        self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store, rank=rank,
+                                     rank_name=self.rank_name)
                        for (c, s), m in zip(local, modules)}
         self._programs: dict[bool, list[tuple[int, Any]]] = {}
         self._plans: dict[bool, list[Planned]] = {}
@@ -165,7 +179,7 @@ class Executor:
     def _stage(self, idx: int, op: Any) -> Stage:
         st = self.stages.get((op.chain, op.stage))
         if st is None:
-            raise PipelineError(f"rank {self.rank}: instruction {idx} {op} names a stage this rank does not run")
+            raise PipelineError(f"{self.rank_name}: instruction {idx} {op} names a stage this rank does not run")
         return st
 
     def _plan_one(self, idx: int, ins: Any, training: bool) -> Planned:
@@ -174,7 +188,7 @@ class Executor:
             for c in ins.ops:
                 kind = OpKind(c.kind)
                 if kind not in COMM_KINDS:
-                    raise PipelineError(f"rank {self.rank}: instruction {idx} {c} has unknown kind {c.kind!r}")
+                    raise PipelineError(f"{self.rank_name}: instruction {idx} {c} has unknown kind {c.kind!r}")
                 comms.append(PlannedComm(c, self._stage(idx, c), message_key(c.kind, c.chain, c.stage, c.mb),
                                          SENDS.get(kind)))
             return PlannedPost(idx, ins, tuple(comms))
@@ -183,7 +197,18 @@ class Executor:
             cls = type(f.stage.module)
             overlapped = getattr(cls, "overlapped_forward_backward", None) if cls is type(b.stage.module) else None
             return PlannedFB(idx, ins, f, b, overlapped)
+        if ins.kind == REDUCE:
+            return self._plan_reduce(idx, ins)
         return self._plan_op(idx, ins, training)
+
+    def _plan_reduce(self, idx: int, op: Op) -> PlannedReduce:
+        self._stage(idx, op)
+        sync = self.syncs.get((op.chain, op.stage))
+        if sync is None:
+            raise PipelineError(f"{self.rank_name}: instruction {idx} {op} reduces stage (chain {op.chain}, stage "
+                                f"{op.stage}) but the pipeline has no data-parallel group for it; build the Pipeline "
+                                "with mesh=init_parallel(pp=..., dp=...) or pass a schedule without REDUCE_GRAD")
+        return PlannedReduce(idx, op, sync)
 
     def _plan_op(self, idx: int, op: Op, training: bool) -> PlannedOp:
         kind = OpKind(op.kind)
@@ -209,27 +234,18 @@ class Executor:
     def run(self, inputs: dict[int, tuple], labels: dict[int, tuple], criterion: Callable | None,
             forward_only: bool, keep_outputs: bool, record: bool, checks: Sequence[int] = ()) -> RunResult:
         """One step. ``checks``: this rank's part of the step-start agreement (see ``P2P.begin_step``)."""
-        for st in self.stages.values():
-            st.reset()
-        self.store.clear()
-        self.inputs, self.labels, self.criterion = inputs, labels, criterion
-        self.training, self.keep_outputs = not forward_only, keep_outputs
-        self.live = self.peak = 0
+        self._begin(inputs, labels, criterion, forward_only, keep_outputs, checks)
         events: list[TimelineEvent] | None = [] if record else None
         p2p = self.p2p
-        p2p.recvs.clear()
-        p2p.sends.clear()
-        signature = (self.program.schedule.num_microbatches,
-                     tuple((m, tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None
-                                     for t in xs)) for m, xs in sorted(inputs.items())))
-        p2p.set_shape(self._tag_shape[0], self._tag_shape[1])
-        p2p.begin_step(signature, checks)  # settled by the first post: compute before it overlaps the agreement
         clock = time.time
         rank = self.rank
         for e in self.plan(forward_only):
             kind = e.kind
             if kind is COMM:
                 self._post(e)
+                continue
+            if kind is REDUCE:
+                self._reduce(e, events)
                 continue
             if kind is F:
                 got = e.fetch()
@@ -260,8 +276,10 @@ class Executor:
                     op = e.op
                     events.append(TimelineEvent(rank, op.kind, op.chain, op.stage, op.mb, start, end))
         p2p.finish((len(self.program.ranks[self.rank]), "end of step"))
+        if self.training:
+            self._wait_syncs(events)
         if len(self.store):
-            raise PipelineError(f"rank {self.rank}: the step ended with {len(self.store)} deferred weight-gradient "
+            raise PipelineError(f"{self.rank_name}: the step ended with {len(self.store)} deferred weight-gradient "
                                 "group(s) that no W ran")
         losses, outputs = {}, {}
         for st in self.stages.values():
@@ -272,6 +290,52 @@ class Executor:
             st.reset()
         self.inputs = self.labels = None
         return RunResult(losses, outputs, self.peak, events)
+
+    def _begin(self, inputs: dict[int, tuple], labels: dict[int, tuple], criterion: Callable | None,
+               forward_only: bool, keep_outputs: bool, checks: Sequence[int]) -> None:
+        """Reset the per-step state, start the step-start agreement and let each stage's sync prepare."""
+        for st in self.stages.values():
+            st.reset()
+        self.store.clear()
+        self.inputs, self.labels, self.criterion = inputs, labels, criterion
+        self.training, self.keep_outputs = not forward_only, keep_outputs
+        self.live = self.peak = 0
+        p2p = self.p2p
+        p2p.recvs.clear()
+        p2p.sends.clear()
+        signature = (self.program.schedule.num_microbatches,
+                     tuple((m, tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None
+                                     for t in xs)) for m, xs in sorted(inputs.items())))
+        p2p.set_shape(self._tag_shape[0], self._tag_shape[1])
+        p2p.begin_step(signature, checks)  # settled by the first post: compute before it overlaps the agreement
+        self.plan(forward_only)  # an invalid program fails before any sync prepares
+        if self.training:
+            for sync in self.syncs.values():
+                sync.begin_step()
+
+    def _reduce(self, e: PlannedReduce, events: list[TimelineEvent] | None) -> None:
+        """REDUCE_GRAD: post the stage's reduction; recorded on the comm lane (its end set at ``wait``)."""
+        start = time.time()
+        e.sync.start()
+        if events is not None:
+            op = e.op
+            events.append(TimelineEvent(self.rank, op.kind, op.chain, op.stage, op.mb, start, time.time(), None,
+                                        "comm"))
+
+    def _wait_syncs(self, events: list[TimelineEvent] | None) -> None:
+        """Complete every stage's reduction posted at its REDUCE_GRAD (in posting order) before the step returns.
+
+        The recorded REDUCE_GRAD events are stretched to when the reduction was complete, so the
+        timeline shows each post's comm lane against the rank's later compute.
+        """
+        done: dict[tuple[int, int], float] = {}
+        for key, sync in self.syncs.items():
+            sync.wait()
+            done[key] = time.time()
+        if events:
+            for i, ev in enumerate(events):
+                if ev.lane == "comm" and (ev.chain, ev.stage) in done:
+                    events[i] = ev._replace(end=max(ev.end, done[ev.chain, ev.stage]))
 
     # ----- instructions ---------------------------------------------------------------------------
     def _post(self, e: PlannedPost) -> None:
@@ -284,13 +348,13 @@ class Executor:
             elif sig is ACT:
                 outs = st.outputs.get(c.mb)
                 if outs is None:
-                    raise PipelineError(f"rank {self.rank}: instruction {idx} {c} sends the output of "
+                    raise PipelineError(f"{self.rank_name}: instruction {idx} {c} sends the output of "
                                         f"F(c{c.chain},s{c.stage},m{c.mb}), which has not run yet")
                 sends.append((c, pc.key, outs, st.free_after_send.pop(c.mb, ())))
             else:
                 grads = st.input_grads.pop(c.mb, None)
                 if grads is None:
-                    raise PipelineError(f"rank {self.rank}: instruction {idx} {c} sends the input gradients of "
+                    raise PipelineError(f"{self.rank_name}: instruction {idx} {c} sends the input gradients of "
                                         f"B(c{c.chain},s{c.stage},m{c.mb}), which has not run yet")
                 sends.append((c, pc.key, grads, ()))
         self.p2p.post((idx, e.batch), sends, recvs)
@@ -298,7 +362,7 @@ class Executor:
     def _step_inputs(self, op: Op) -> Sequence[Any]:
         got = self.inputs.get(op.mb)
         if got is None:
-            raise PipelineError(f"rank {self.rank}: {op} starts chain {op.chain} but this rank got no inputs for "
+            raise PipelineError(f"{self.rank_name}: {op} starts chain {op.chain} but this rank got no inputs for "
                                 f"micro-batch {op.mb}; pass the inputs on the rank that holds the chain's first stage")
         return got
 

@@ -21,6 +21,7 @@ from ..schedules.ir import Schedule
 from ..schedules.lower import lower
 from ..schedules.registry import build_schedule, schedule_info
 from .comm import P2P
+from .data_parallel import DP_BATCH, DP_MODES, build_syncs, check_mesh, rank_label, refuse_wrapped, replica_slice
 from .device import backend_for, module_device
 from .errors import PipelineError
 from .executor import Executor
@@ -72,16 +73,29 @@ class Pipeline(nn.Module):
     ``needs_inputs`` / ``needs_labels`` say whether ``step()`` needs the batch's inputs / the
     criterion and labels on this rank; ``split_model`` cuts a stack of layers into this rank's
     stage modules; ``rebuilt()`` gives the same pipeline on a fresh process group.
+
+    Data parallel (``data_parallel.py``): ``mesh=init_parallel(pp=P, dp=D)`` runs the schedule on
+    the mesh's pp group (``process_group=`` stays the pp-only way) and reduces each stage's
+    gradients over its data-parallel group at the stage's ``REDUCE_GRAD`` op, right after its last
+    W/BW of the step, asynchronously; ``step()`` returns once every reduction is complete.
+    ``dp_mode``: ``"allreduce"`` (default; ``.grad`` is the replicas' average, step any optimizer),
+    ``"zero1"`` (reduce-scatter: step ``parallel.ZeroOptimizer.for_module(module, sync, factory)``
+    with ``sync`` from ``stage_syncs``) or ``"fsdp"`` (stages wrapped with ``fully_shard``, kept
+    unsharded for the step, reduce-scattered after the last W). ``dp_batch="global"``: every
+    replica passes the global batch and takes its dp share; ``"local"``: each passes its own.
+    Stages wrapped in ``DistributedDataParallel`` are refused (its hooks miss the deferred W).
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
                  process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
                  batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None,
-                 allow_uneven: bool = False):
+                 allow_uneven: bool = False, mesh: Any = None, dp_mode: str | None = None,
+                 dp_batch: str = "global", bucket_bytes: int | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise PipelineError("torch.distributed is not initialized; call dist.init_process_group first")
         self.module = nn.ModuleList(stage_modules)
+        process_group = _pp_group(mesh, dp_mode, dp_batch, process_group)
         self.group = process_group or dist.distributed_c10d._get_default_group()
         self.num_ranks = dist.get_world_size(self.group)
         mapping = list(rank_mapping) if rank_mapping is not None else list(range(self.num_ranks))
@@ -91,6 +105,7 @@ class Pipeline(nn.Module):
         for group_rank, pp_rank in enumerate(mapping):
             inverse[pp_rank] = group_rank
         self.rank = mapping[dist.get_rank(self.group)]
+        self.rank_name = rank_label(self.rank, dist.get_rank())
         peers = [dist.get_global_rank(self.group, inverse[p]) for p in range(self.num_ranks)]
         if isinstance(schedule, Schedule) and schedule.num_ranks != self.num_ranks:
             raise PipelineError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the process group "
@@ -102,8 +117,9 @@ class Pipeline(nn.Module):
         if len(local) != len(self.module):
             name = schedule.name if isinstance(schedule, Schedule) else schedule
             raise PipelineError(
-                f"rank {self.rank} runs {len(local)} stage(s) {local} of schedule {name!r} but was given "
+                f"{self.rank_name} runs {len(local)} stage(s) {local} of schedule {name!r} but was given "
                 f"{len(self.module)} module(s); pass one module per stage, in (chain, stage) order")
+        self._setup_data_parallel(mesh, dp_mode, dp_batch, bucket_bytes, local)
         self.batch_dim = batch_dim
         self.allow_uneven = allow_uneven
         self.rank_mapping = None if rank_mapping is None else mapping
@@ -114,11 +130,35 @@ class Pipeline(nn.Module):
                                 f"but the group's backend is {have!r}; init the group with backend={wanted!r}")
         self.p2p = P2P(self.rank, peers, self.group, self.device, timeout)
         self.p2p.on_agreement = StepVerifier(self.rank, [(chain[0], chain[-1]) for chain in self.placement])
+        self.p2p.rank_name = self.rank_name
         self.store = WeightGradStore()
         self._executors: dict[int, Executor] = {}
         self.record_timeline = False
         self.timeline = None
         self.peak_activations: int | None = None
+
+    def _setup_data_parallel(self, mesh: Any, dp_mode: str | None, dp_batch: str, bucket_bytes: int | None,
+                             local: list[tuple[int, int]]) -> None:
+        """The data-parallel side (see ``data_parallel.py``): refuse wrapped stages, build one sync per stage."""
+        from ..parallel import DEFAULT_BUCKET_BYTES
+
+        refuse_wrapped(list(self.module), dp_mode if mesh is not None else None, self.rank_name)
+        self.mesh, self.dp_batch = mesh, dp_batch
+        self.dp_mode = (dp_mode or "allreduce") if mesh is not None else None
+        self.replicas, self.replica = (mesh.dp, mesh.coord("dp")) if mesh is not None else (1, 0)
+        self.grad_syncs: dict[tuple[int, int], Any] = {}
+        if mesh is not None:
+            if mesh.pp != self.num_ranks:
+                raise PipelineError(f"the mesh has pp={mesh.pp} but the pipeline group has {self.num_ranks} ranks")
+            self.grad_syncs = build_syncs(mesh, self.placement, local, list(self.module), self.dp_mode,
+                                          bucket_bytes or DEFAULT_BUCKET_BYTES, self.rank_name)
+        self.data_parallel = bool(self.grad_syncs)  # lower with one REDUCE_GRAD per stage
+
+    @property
+    def stage_syncs(self) -> list[Any]:
+        """The gradient-sync object of each stage module (``self.module`` order), None where it has none."""
+        local = [(c, s) for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == self.rank]
+        return [self.grad_syncs.get(cs) for cs in local]
 
     @property
     def needs_inputs(self) -> bool:
@@ -145,7 +185,8 @@ class Pipeline(nn.Module):
         new = type(self).__new__(type(self))
         Pipeline.__init__(new, list(self.module), self.schedule, group, rank_mapping=self.rank_mapping,
                           batch_dim=self.batch_dim, timeout=self.timeout, schedule_options=self.schedule_options,
-                          allow_uneven=self.allow_uneven)
+                          allow_uneven=self.allow_uneven, mesh=self.mesh,
+                          dp_mode=self.dp_mode if self.mesh is not None else None, dp_batch=self.dp_batch)
         new.record_timeline = self.record_timeline
         return new
 
@@ -167,7 +208,8 @@ class Pipeline(nn.Module):
                 sched = self.schedule
             else:
                 sched = build_schedule(self.schedule, self.num_ranks, num_chunks, **self.schedule_options)
-            ex = Executor(lower(sched), self.rank, list(self.module), self.p2p, self.store)
+            ex = Executor(lower(sched, data_parallel=self.data_parallel), self.rank, list(self.module), self.p2p,
+                          self.store, syncs=self.grad_syncs, rank_name=self.rank_name)
             self._executors[num_chunks] = ex
         return self._executors[num_chunks]
 
@@ -175,7 +217,7 @@ class Pipeline(nn.Module):
         """The chain whose first (position 0) or last (position -1) stage is on this rank, if any."""
         chains = [c for c, ranks in enumerate(sched.placement) if ranks[position] == self.rank]
         if len(chains) > 1:
-            raise PipelineError(f"rank {self.rank} holds the {'first' if position == 0 else 'last'} stage of chains "
+            raise PipelineError(f"{self.rank_name} holds the {'first' if position == 0 else 'last'} stage of chains "
                                 f"{chains}; a rank may feed (or end) at most one chain")
         return chains[0] if chains else None
 
@@ -198,6 +240,13 @@ class Pipeline(nn.Module):
         """
         forward_only = not torch.is_grad_enabled()
         prepared = _Prepared()
+        if self.replicas > 1 and self.dp_batch == "global":
+            try:
+                inputs = replica_slice(inputs, self.replica, self.replicas, self.batch_dim, "inputs")
+                labels = replica_slice(labels, self.replica, self.replicas, self.batch_dim, "labels")
+            except PipelineError as exc:
+                prepared.problem, prepared.problem_code = exc, 2
+                self._fail_together(prepared.check(num_chunks, not forward_only), exc)
         try:
             self._prepare(prepared, inputs, num_chunks, criterion, labels, forward_only)
         except (PipelineError, ScheduleError) as exc:
@@ -242,7 +291,7 @@ class Pipeline(nn.Module):
             mbs = sched.microbatches_of(first)
             out.problem_code = 1
             if not inputs or all(x is None for x in inputs):
-                raise PipelineError(f"rank {self.rank} holds the first stage of chain {first} and needs the step's "
+                raise PipelineError(f"{self.rank_name} holds the first stage of chain {first} and needs the step's "
                                     "inputs")
             out.problem_code = 2
             out.inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs", self.allow_uneven)))
@@ -250,7 +299,7 @@ class Pipeline(nn.Module):
             mbs = sched.microbatches_of(last)
             out.problem_code = 4
             if not forward_only and criterion is None:
-                raise PipelineError(f"rank {self.rank} holds the last stage of chain {last}: a training step needs "
+                raise PipelineError(f"{self.rank_name} holds the last stage of chain {last}: a training step needs "
                                     "criterion here")
             out.problem_code = 3
             out.labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels", self.allow_uneven)))
@@ -285,6 +334,26 @@ class _Prepared:
         n = num_chunks if isinstance(num_chunks, int) and not isinstance(num_chunks, bool) else 0
         code = self.problem_code if self.problem is not None else 0
         return StepCheck(n, int(training), self.input_rows, self.label_rows, code)
+
+
+def _pp_group(mesh: Any, dp_mode: str | None, dp_batch: str,
+              process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The pipeline's group: the mesh's pp group when a mesh is given (checked), else ``process_group``."""
+    if dp_mode is not None and dp_mode not in DP_MODES:
+        raise PipelineError(f"unknown dp_mode {dp_mode!r}; allowed: {', '.join(DP_MODES)}")
+    if dp_batch not in DP_BATCH:
+        raise PipelineError(f"unknown dp_batch {dp_batch!r}; allowed: {', '.join(DP_BATCH)}")
+    if mesh is None:
+        if dp_mode is not None:
+            raise PipelineError(f"dp_mode={dp_mode!r} needs mesh= (mt_dualpipe.parallel.init_parallel(pp=..., dp=...))")
+        return process_group
+    check_mesh(mesh)
+    pp = mesh.group("pp")
+    if process_group is not None and dist.get_process_group_ranks(process_group) != dist.get_process_group_ranks(pp):
+        raise PipelineError(f"process_group spans global ranks {dist.get_process_group_ranks(process_group)} but the "
+                            f"mesh's pp group spans {dist.get_process_group_ranks(pp)}; pass mesh= alone (the "
+                            "pipeline runs on its pp group) or a group over the same ranks")
+    return process_group or pp
 
 
 def _joined(per_mb: list[tuple[torch.Tensor, ...]], dim: int) -> Any:
@@ -334,14 +403,20 @@ class DualPipe(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0):
+                 *, timeout: float = 300.0, mesh: Any = None, dp_mode: str | None = None, dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipe takes two modules (stage r, stage P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipe", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
-                         timeout=timeout)
+                         timeout=timeout, mesh=mesh, dp_mode=dp_mode, dp_batch=dp_batch)
 
     def sync_mirrored_grads(self) -> None:
-        """Sum the gradients of the mirrored stage copies so the optimizer sees the full gradient."""
+        """Sum the gradients of the mirrored stage copies so the optimizer sees the full gradient.
+
+        Not with ``mesh=``: the step's REDUCE_GRAD ops already summed the copies (and averaged the replicas).
+        """
+        if self.grad_syncs:
+            raise PipelineError(f"{self.rank_name}: this DualPipe was built with mesh=, so step() already summed the "
+                                "mirrored copies at each stage's REDUCE_GRAD; do not call sync_mirrored_grads()")
         mirror = self.num_ranks - 1 - self.rank
         mine = [p for m in self.module for p in m.parameters()]
         flat = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mine]
@@ -371,8 +446,8 @@ class DualPipeV(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0):
+                 *, timeout: float = 300.0, mesh: Any = None, dp_mode: str | None = None, dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipeV takes two modules (stage r, stage 2P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipev", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
-                         timeout=timeout)
+                         timeout=timeout, mesh=mesh, dp_mode=dp_mode, dp_batch=dp_batch)

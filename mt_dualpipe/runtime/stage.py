@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .backward import backward_roots, full_backward, has_reentrant_checkpoint, split_backward
 from .errors import PipelineError
-from .weight_grad import WeightGradStore
+from .weight_grad import WeightGradStore, held_post_accumulate_hooks
 
 
 def _as_outputs(out: Any, stage: Stage, mb: int) -> tuple[torch.Tensor, ...]:
@@ -71,6 +71,31 @@ def supports_fast_split(module: nn.Module) -> bool:
     return any(_defers(m) for m in owners) and all(_defers(m) or _cheap(m) for m in owners)
 
 
+def deferred_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Trainable parameters of owners that defer their weight gradients to W (``supports_deferred_weight_grad``).
+
+    In a B with the store active their layers return no weight gradient, and autograd would still
+    run their accumulation with nothing in it — calling post-accumulate-grad hooks with a None
+    ``.grad``. The stage holds those hooks back for the B (``held_post_accumulate_hooks``); they
+    fire at W, when the store accumulates the gradient through autograd (``put_grads``).
+    """
+    seen: set[int] = set()
+    out = []
+    for m in module.modules():
+        if _defers(m):
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return tuple(out)
+
+
+def _swaps_params(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 class Stage:
     """One (chain, stage) of this rank: its module and the per-micro-batch state of a step.
 
@@ -78,8 +103,11 @@ class Stage:
     """
 
     def __init__(self, module: nn.Module, chain: int, stage: int, is_first: bool, is_last: bool,
-                 store: WeightGradStore, rank: int | None = None):
+                 store: WeightGradStore, rank: int | None = None, rank_name: str | None = None):
         self.module, self.chain, self.stage = module, chain, stage
+        self.rank_name = rank_name if rank_name is not None else (None if rank is None else f"rank {rank}")
+        self._deferred = deferred_params(module)
+        self._swaps_params = _swaps_params(module)
         self.is_first, self.is_last = is_first, is_last
         self.store = store
         self.rank = rank
@@ -98,7 +126,7 @@ class Stage:
 
     def where(self, op: str, mb: int) -> str:
         """``rank r F(chain c, stage s, mb m) in Module``: how errors name an op of this stage."""
-        rank = "" if self.rank is None else f"rank {self.rank} "
+        rank = "" if self.rank_name is None else f"{self.rank_name} "
         return f"{rank}{op}(chain {self.chain}, stage {self.stage}, mb {mb}) in {type(self.module).__name__}"
 
     def _error(self, op: str, mb: int, exc: Exception) -> PipelineError:
@@ -164,7 +192,7 @@ class Stage:
         except TypeError as exc:
             if labels and not all(v is None for v in labels):
                 raise PipelineError(f"{self.where('F', mb)}, criterion: TypeError: {exc}") from exc
-            rank = "this rank" if self.rank is None else f"rank {self.rank}"
+            rank = "this rank" if self.rank_name is None else self.rank_name
             raise PipelineError(
                 f"{self.where('F', mb)}: the criterion was called without labels and raised TypeError: {exc}; "
                 f"{rank} holds the last stage {self.stage} of chain {self.chain}, so pass labels= to step() here "
@@ -190,11 +218,11 @@ class Stage:
             if not split:
                 input_grads = full_backward(roots, gs, inputs)
             elif self.fast or self.reentrant or (self.reentrant is None and self._reentrant(roots)):
-                with self.store.deferring((self.chain, self.stage, mb)):
+                with self._deferring(mb):
                     input_grads = full_backward(roots, gs, inputs)
                 self.pending_w[mb] = _STORE_ONLY
             else:  # store active too: deferring layers queue their GEMMs if the split falls back
-                with self.store.deferring((self.chain, self.stage, mb)):
+                with self._deferring(mb):
                     input_grads, w = split_backward(roots, gs, inputs)
                 self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
         except PipelineError:
@@ -202,6 +230,16 @@ class Stage:
         except Exception as exc:
             raise self._error("B" if split else "BW", mb, exc) from exc
         self.after_backward(mb, input_grads, split)
+
+    @contextlib.contextmanager
+    def _deferring(self, mb: int) -> Any:
+        """A split B of ``mb``: the store collects the deferred GEMMs, their parameters' hooks wait for W."""
+        with self.store.deferring((self.chain, self.stage, mb)), held_post_accumulate_hooks(self.deferred_now()):
+            yield
+
+    def deferred_now(self) -> tuple[torch.Tensor, ...]:
+        """``deferred_params`` of the module as it is now: FSDP2 swaps in unsharded parameters for the step."""
+        return deferred_params(self.module) if self._swaps_params else self._deferred
 
     def _reentrant(self, roots: list) -> bool:
         """Whether this stage uses reentrant checkpointing (checked at its first split B).
@@ -257,7 +295,7 @@ class Stage:
 
     def backward_context(self, mb: int, split: bool) -> Any:
         """While an overlapped B of ``mb`` runs: the store defers weight GEMMs when ``split``."""
-        return self.store.deferring((self.chain, self.stage, mb)) if split else contextlib.nullcontext()
+        return self._deferring(mb) if split else contextlib.nullcontext()
 
     def finish_overlapped_backward(self, mb: int, split: bool) -> None:
         """After an overlapped B: its input grads are the inputs' ``.grad``; W runs the store's group."""

@@ -24,8 +24,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
+
+import torch
 
 _active_lock = threading.Lock()
 _active: WeightGradStore | None = None
@@ -52,17 +54,16 @@ class WeightGradStore:
 
     def put_grads(self, params: Sequence[Any], compute: Callable[[], Sequence[Any]]) -> None:
         """Queue ``compute`` (returning one gradient or None per parameter) to run at W and be
-        accumulated into each parameter's ``.grad`` the way autograd's AccumulateGrad does
-        (set it, or add to it; cast to the parameter's dtype)."""
+        accumulated into each parameter's ``.grad`` by autograd's own AccumulateGrad (cast to the
+        parameter's dtype): one engine call from the parameters themselves, so everything that
+        observes accumulation — ``register_post_accumulate_grad_hook``, FSDP, optimizers-in-backward
+        — sees W's gradient when W writes it. The GEMMs run without grad mode: a ``.grad`` never
+        carries a graph."""
         def run() -> None:
-            for param, grad in zip(params, compute()):
-                if grad is None:
-                    continue
-                grad = grad.to(param.dtype)
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
+            with torch.no_grad():
+                got = [(p, g.to(p.dtype)) for p, g in zip(params, compute()) if g is not None]
+            if got:
+                torch.autograd.backward([p for p, _ in got], [g for _, g in got])
 
         self.put(run)
 
@@ -119,3 +120,28 @@ class WeightGradStore:
 
     def clear(self) -> None:
         self._groups.clear()
+
+
+@contextmanager
+def _held(hooked: list[tuple[Any, dict]]) -> Iterator[None]:
+    saved = [(hooks, dict(hooks)) for _, hooks in hooked]
+    for hooks, _ in saved:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
+def held_post_accumulate_hooks(params: Sequence[Any]) -> Any:
+    """While a B with the store active runs: the post-accumulate-grad hooks of ``params`` hold back.
+
+    Deferring layers return no weight gradient in B, yet autograd still runs their parameters'
+    accumulation and would call these hooks with ``.grad`` None (or unchanged). Restricting the
+    engine to other targets instead would skip custom autograd Functions that accumulate inside
+    their own backward, so the hooks are held for the B (torch keeps them in each parameter's
+    ``_post_accumulate_grad_hooks`` dict, emptied and refilled in order here) and fire at W.
+    """
+    hooked = [(p, h) for p in params if (h := getattr(p, "_post_accumulate_grad_hooks", None))]
+    return _held(hooked) if hooked else nullcontext()
