@@ -321,3 +321,14 @@ def test_each_stage_has_its_own_capture_slot():
     config = small_config()
     first, last = build_stages(config, 2)
     assert first.capture is not last.capture and first.capture.sink is None
+
+
+def test_a_gate_built_on_its_own_is_initialised():
+    """MoE(config) outside the model used to route on torch.empty memory (NaN after reuse)."""
+    from mt_dualpipe.integrations.deepseek_v3.moe import MoE
+
+    config = DeepSeekV3Config.preset("tiny")
+    for _ in range(3):
+        w = MoE(config).gate.weight.detach()
+        assert torch.isfinite(w).all() and w.std() > 0
+        assert w.abs().max() <= 1 / config.dim ** 0.5  # nn.Linear's default bound

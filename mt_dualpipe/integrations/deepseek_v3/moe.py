@@ -18,6 +18,7 @@ overlapped forward/backward can interleave them with another micro-batch's piece
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -102,6 +103,8 @@ class Gate(nn.Module):
         self.scoring_func, self.topk_method = config.scoring_func, config.topk_method
         self.device_groups, self.device_limit = config.device_groups, config.device_limit
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
+        if not self.weight.is_meta:  # a gate built on its own must not route on uninitialised memory
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default; the model re-inits it
         # Selection-only bias (not trained by gradients) and the routed-token count since the last update.
         self.register_buffer("bias", torch.zeros(config.n_routed_experts))
         self.register_buffer("load", torch.zeros(config.n_routed_experts), persistent=False)
