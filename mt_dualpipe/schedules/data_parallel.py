@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .errors import ScheduleError
-from .ir import FB, ComputeItem, Op, Schedule
-from .ops import REDUCE_GRAD, STAGE_KINDS, WEIGHT_GRAD_KINDS
+from .ir import ComputeItem, Op, Schedule
+from .ops import REDUCE_GRAD, STAGE_KINDS, WEIGHT_GRAD_KINDS, parts
 
 WHEN = ("last_w", "step_end")
 
@@ -54,7 +54,7 @@ def last_weight_grads(ops: list[ComputeItem]) -> dict[tuple[int, int], int]:
     """For one rank's ops: (chain, stage) -> index of the last item holding a W or BW of that stage."""
     last: dict[tuple[int, int], int] = {}
     for i, item in enumerate(ops):
-        for op in (item.f, item.b) if type(item) is FB else (item,):
+        for op in parts(item):
             if op.kind in WEIGHT_GRAD_KINDS:
                 last[(op.chain, op.stage)] = i
     return last

@@ -14,6 +14,7 @@ from typing import NamedTuple, Union
 
 from . import ops as K
 from .errors import ScheduleError
+from .ops import parts
 
 SCHEDULE_FORMAT = "mt-dualpipe.schedule/1"
 
@@ -82,9 +83,8 @@ ComputeItem = Union[Op, FB]
 Instruction = Union[Op, FB, CommBatch]
 
 
-def compute_parts(item: ComputeItem) -> tuple[Op, ...]:
-    """The plain ops of a compute item: itself, or the two halves of an FB pair."""
-    return (item.f, item.b) if type(item) is FB else (item,)
+compute_parts = parts
+"""The plain ops of a compute item: itself, or the two halves of an FB pair (``ops.parts``)."""
 
 
 @dataclass

@@ -238,6 +238,14 @@ def signal_key(sig: Signal, chain: int, stage: int, mb: int, num_stages: int, nu
     return 2 * u + (sig is GRAD or sig == "B")
 
 
+def signal_name(key: int, num_stages: int, num_microbatches: int) -> str:
+    """The op that makes signal ``key``: ``F(c..,s..,m..)`` for an activation, ``B(...)`` for a gradient."""
+    u, bit = divmod(key, 2)
+    cs, m = divmod(u, num_microbatches)
+    c, s = divmod(cs, num_stages)
+    return f"{'B' if bit else 'F'}(c{c},s{s},m{m})"
+
+
 def op_cost(item: ComputeItem, costs: StageCosts) -> float:
     """Time of an op or an FB unit (an FB hides the all-to-all; ``costs.fb`` if given)."""
     if item.kind == "FB":
@@ -254,22 +262,6 @@ def activation_effect(item: ComputeItem) -> tuple[int, int]:
         held += r.holds
         freed += r.frees
     return held, freed
-
-
-@dataclass(frozen=True)
-class CompiledOp:
-    """An op with its meaning resolved against a placement: what the hot loops of passes read.
-
-    ``waits``: (signal key, producing rank, producing stage) per input; ``makes``: signal keys it
-    produces; ``cost``; ``holds``/``frees`` as in ``activation_effect``.
-    """
-
-    item: object
-    waits: tuple[tuple[int, int, int], ...]
-    makes: tuple[int, ...]
-    cost: float
-    holds: int
-    frees: int
 
 
 COLLECTIVE = -2
@@ -365,17 +357,3 @@ class OpTable:
                     rows.append((hops, made[0] if made else -1, cost, holds, frees))
             out[kind] = rows
         return out
-
-    def compile(self, item: ComputeItem) -> CompiledOp:
-        if item.kind == "FB":
-            f, b = item.f, item.b
-            waits = tuple(self.waits(f) + self.waits(b))
-            made = tuple(k for k in (self.made(f), self.made(b)) if k >= 0)
-            cost = self.costs.fb_cost(f.stage, b.kind, b.stage) if self.costs is not None else 0.0
-        else:
-            waits = tuple(self.waits(item))
-            k = self.made(item)
-            made = (k,) if k >= 0 else ()
-            cost = self._cost[item.kind][item.stage] if self.costs is not None else 0.0
-        held, freed = activation_effect(item)
-        return CompiledOp(item, waits, made, cost, held, freed)

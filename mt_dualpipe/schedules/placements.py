@@ -39,11 +39,6 @@ class Placement:
         """Stages per chain."""
         return len(self.ranks[0])
 
-    @property
-    def stages_per_rank(self) -> int:
-        """How many (chain, stage) pairs each rank holds (1 linear, 2 v and dual, v interleaved)."""
-        return sum(len(c) for c in self.ranks) // self.num_ranks
-
     def local_stages(self, rank: int) -> list[tuple[int, int]]:
         """The (chain, stage) pairs ``rank`` runs, in (chain, stage) order."""
         return [(c, s) for c, chain in enumerate(self.ranks) for s, r in enumerate(chain) if r == rank]

@@ -17,7 +17,7 @@ from ._perf import gc_paused
 from .costs import COST_FIELDS, Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
-from .ops import COLLECTIVE, OpTable
+from .ops import COLLECTIVE, OpTable, signal_name
 from .timeline import Timeline, TimelineEvent
 
 
@@ -295,7 +295,7 @@ def _deadlock_message(rank_ops, pos, blocked_on, stuck, S: int, M: int) -> str:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} is stuck")
             continue
         key, owner = blocked
-        dep = _signal_name(key, S, M)
+        dep = signal_name(key, S, M)
         if owner == r:
             lines.append(f"rank {r} op {i} {rank_ops[r][i]} waits for {dep}, which rank {r} runs later or never")
             return "deadlock: " + lines[-1]
@@ -315,14 +315,6 @@ def _deadlock_message(rank_ops, pos, blocked_on, stuck, S: int, M: int) -> str:
     else:
         head = "deadlock"
     return head + "\n  " + "\n  ".join(lines)
-
-
-def _signal_name(key: int, S: int, M: int) -> str:
-    """The op that makes signal ``key`` (``F(...)`` for an activation, ``B(...)`` for a gradient)."""
-    u, bit = divmod(key, 2)
-    cs, m = divmod(u, M)
-    c, s = divmod(cs, S)
-    return f"{'B' if bit else 'F'}(c{c},s{s},m{m})"
 
 
 def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None) -> SimResult:

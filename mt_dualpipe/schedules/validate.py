@@ -34,6 +34,7 @@ from .ops import (
     STAGE_KINDS,
     OpTable,
     Signal,
+    signal_name,
 )
 from .simulate import run_schedule
 
@@ -216,13 +217,6 @@ def validate(schedule: Schedule | Program) -> None:
     run_schedule(schedule, record=False)  # raises on deadlock, naming the waiting ops
 
 
-def _data_name(key: int, S: int, M: int) -> str:
-    u, is_b = divmod(key, 2)
-    cs, m = divmod(u, M)
-    c, s = divmod(cs, S)
-    return f"{'B' if is_b else 'F'}(c{c},s{s},m{m})"
-
-
 @gc_paused
 def validate_program(program: Program) -> None:
     """Validate a lowered program: compute ops, send/recv matching, and rendezvous deadlock-freedom."""
@@ -286,8 +280,8 @@ def validate_program(program: Program) -> None:
                 raise ScheduleError(f"channel rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives")
             src, dst = divmod(ch, P)
             raise ScheduleError(
-                f"channel rank {src} -> rank {dst}: send #{k} carries {_data_name(sends[k], S, M)} but receive "
-                f"#{k} expects {_data_name(recvs[k], S, M)}; sends and receives must pair up in order")
+                f"channel rank {src} -> rank {dst}: send #{k} carries {signal_name(sends[k], S, M)} but receive "
+                f"#{k} expects {signal_name(recvs[k], S, M)}; sends and receives must pair up in order")
 
     _rendezvous_run(program, view, batch_keys, send_batch, recv_batch, nkeys)
 
@@ -307,9 +301,9 @@ def _check_both_ends(view: Schedule, send_batch: list[int], recv_batch: list[int
                 for m in mbs:
                     key = 2 * ((c * S + s) * M + m) + bit
                     if send_batch[key] < 0:
-                        raise ScheduleError(f"no send for {_data_name(key, S, M)} to rank {chain[t]}")
+                        raise ScheduleError(f"no send for {signal_name(key, S, M)} to rank {chain[t]}")
                     if recv_batch[key] < 0:
-                        raise ScheduleError(f"no receive for {_data_name(key, S, M)} on rank {chain[t]}")
+                        raise ScheduleError(f"no receive for {signal_name(key, S, M)} on rank {chain[t]}")
 
 
 def _bad_comm(r: int, i: int, cm, placement, chain_of, S: int, M: int) -> str:
@@ -380,7 +374,7 @@ class _Rendezvous:
                     if not is_send:
                         posted_recv[key] = 1
                     elif not done[key]:
-                        self.fail(r, i, f"sends {_data_name(key, S, self.M)} before it is computed")
+                        self.fail(r, i, f"sends {signal_name(key, S, self.M)} before it is computed")
                 self.posted[r] = b + 1
                 if b == head:
                     heads.append(r)
@@ -406,7 +400,7 @@ class _Rendezvous:
 
     def fail_missing(self, r: int, i: int, key: int, owner: int) -> None:
         """Raise for an input that is neither made locally nor received earlier on this rank."""
-        name = _data_name(key, self.S, self.M)
+        name = signal_name(key, self.S, self.M)
         if owner == r:
             self.fail(r, i, f"waits for {name}, which rank {r} runs later or never")
         self.fail(r, i, f"needs {name} but its receive is not posted before it")
@@ -449,6 +443,6 @@ class _Rendezvous:
         if self.pc[r] < len(self.progs[r]):
             key, other = self.stuck_on[r]
             return (f"rank {r} instruction {self.pc[r]} {self.progs[r][self.pc[r]]} waits for comm batch "
-                    f"{self.recv_batch[key]} (the receive of {_data_name(key, self.S, self.M)} from rank {other}) "
+                    f"{self.recv_batch[key]} (the receive of {signal_name(key, self.S, self.M)} from rank {other}) "
                     "to complete")
         return f"rank {r} comm batch {self.head[r]} never completes"
