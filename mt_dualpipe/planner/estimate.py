@@ -37,6 +37,7 @@ from ..schedules import Costs, add_grad_reduction, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
 from ..schedules.ops import parts, rule
+from ..schedules.placements import balanced_cuts
 from ..schedules.simulate import SimResult, run_schedule
 from .dp_sync import param_gather_time, stage_sync_times
 from .model import Item, ModelSpec
@@ -141,26 +142,8 @@ def partition(weights: list[float], parts: int) -> list[int]:
     n = len(weights)
     if parts > n:
         raise ScheduleError(f"cannot cut {n} model pieces into {parts} pipeline stages; use fewer stages")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    INF = float("inf")
-    # best[k][i]: minimal max-group over the first i items in k groups
-    best = [[INF] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    bounds = balanced_cuts(weights, parts)
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 
 def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> list[list[Item]]:

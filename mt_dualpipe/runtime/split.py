@@ -17,32 +17,9 @@ import torch.nn as nn
 
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
+from ..schedules.placements import balanced_cuts
 from ..schedules.registry import schedule_info
 from .errors import PipelineError
-
-
-def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Boundaries ``[0, c1, ..., len(costs)]`` of ``num_stages`` non-empty contiguous parts with the
-    smallest possible maximum part cost (ties: the earliest cut), by dynamic programming."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest max cost of splitting the first i layers into k parts; cut[k][i]: its last cut
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-    bounds = [n]
-    for k in range(num_stages, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return bounds[::-1]
 
 
 def _placement(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple[tuple[int, ...], ...]:

@@ -9,10 +9,14 @@ planner and model integrations (which modules a rank builds) all take their layo
 * ``dual``: two mirrored chains of P stages, 0..P-1 and P-1..0; the first half of the
   micro-batches (rounded up) enters at rank 0, the rest at rank P-1 (DualPipe);
 * ``interleaved``: one chain of v*P stages, stage s on rank s mod P (Megatron's virtual pipeline).
+
+``balanced_cuts`` places a model's layers on a chain's stages: contiguous parts with the smallest
+heaviest part (``split_model`` and the planner both use it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import ScheduleError
@@ -80,3 +84,27 @@ def make_placement(name: str, num_ranks: int, num_microbatches: int, virtual_sta
     if name == "interleaved":
         return Placement(name, P, interleaved(P, virtual_stages), (0,) * M)
     raise ScheduleError(f"unknown placement {name!r}; allowed: {', '.join(PLACEMENTS)}")
+
+
+def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Boundaries ``[0, c1, ..., len(costs)]`` of ``num_stages`` non-empty contiguous parts with the
+    smallest possible maximum part cost (ties: the earliest cut), by dynamic programming."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max cost of splitting the first i layers into k parts; cut[k][i]: its last cut
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds = [n]
+    for k in range(num_stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
