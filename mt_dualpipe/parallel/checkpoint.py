@@ -34,20 +34,31 @@ def _mesh(zopt: ZeroOptimizer) -> DeviceMesh:
     return DeviceMesh.from_group(group, zopt.sync.device.type)
 
 
-def _init_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """Create the lazily-built state of ``optimizer`` with a zero-gradient, zero-lr step (params unchanged)."""
+def init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Create the lazily-built state of ``optimizer`` with a zero-gradient, zero-lr step (params unchanged).
+
+    The step counters are set back to 0 afterwards: the moments of a zero gradient are zero, so the
+    state equals a fresh one and asking for a state dict before the first step (a snapshot, a
+    checkpoint) does not change Adam's bias correction of the steps that follow.
+    """
     if optimizer.state:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = 0.0
+    grads = [p.grad for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    for p in params:
-        p.grad = None
+    for p, g in zip(params, grads):
+        p.grad = g
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
+    for st in optimizer.state.values():
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"].zero_()
+        elif "step" in st:
+            st["step"] = 0
 
 
 def zero_state_dict(zopt: ZeroOptimizer) -> dict[str, Any]:
@@ -55,7 +66,7 @@ def zero_state_dict(zopt: ZeroOptimizer) -> dict[str, Any]:
     bad = [n for n, p in zip(zopt.names, zopt.params) if p.dim() == 0]
     if bad:
         raise ValueError(f"0-d parameters cannot be saved as Shard(0) DTensors: {bad}")
-    _init_state(zopt.optimizer, zopt.shards)
+    init_optimizer_state(zopt.optimizer, zopt.shards)
     mesh = _mesh(zopt)
     state: dict[str, dict[str, Any]] = {}
     for name, p, shard in zip(zopt.names, zopt.params, zopt.shards):
@@ -74,7 +85,7 @@ def zero_state_dict(zopt: ZeroOptimizer) -> dict[str, Any]:
 @torch.no_grad()
 def load_zero_state_dict(zopt: ZeroOptimizer, sd: dict[str, Any]) -> None:
     """Copy an FQN-named state dict (DTensor or plain full/sharded values) into ``zopt``'s shards' state."""
-    _init_state(zopt.optimizer, zopt.shards)
+    init_optimizer_state(zopt.optimizer, zopt.shards)
     rank = zopt.sync.rank
     for i, (name, shard) in enumerate(zip(zopt.names, zopt.shards)):
         if name not in sd["state"]:
@@ -98,7 +109,7 @@ def load_zero_state_dict(zopt: ZeroOptimizer, sd: dict[str, Any]) -> None:
 def _optim_state(module: nn.Module, optimizer: ZeroOptimizer | torch.optim.Optimizer) -> dict[str, Any]:
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer.state_dict()
-    _init_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
+    init_optimizer_state(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
     return get_optimizer_state_dict(module, optimizer)
 
 

@@ -24,8 +24,13 @@ reduce-scatter here is done with public collectives on the DTensor placement FSD
 Limits (checked where visible): a 1-D shard mesh with ``Shard(0)`` placements (no HSDP, no
 ``shard_placement_fn``), and no ``MixedPrecisionPolicy(reduce_dtype=...)`` different from the
 parameter dtype (FSDP would move the gradient into a private buffer this helper cannot see).
-Mirrored DualPipe copies may be sharded over one mesh spanning both copies x dp; pass
-``divide_by=dp`` so the copies are summed and only the replicas averaged.
+Mirrored DualPipe stages (pipeline ranks r and P-1-r hold copies of the same layers, each copy
+sharded over its own dp mesh) must sum both copies' gradients once: pass ``group=`` the process
+group over *all copies x the dp replicas* (``ParallelDims.stage_sync_groups``, what the Pipeline
+builds) and ``divide_by=dp``. The copies then hold the same dim-0 shard at the same dp
+coordinate, but a reduce-scatter over the larger group cannot hand one chunk to two ranks, so the
+bucket is all-reduced over ``group`` and each rank keeps its own chunk (twice a reduce-scatter's
+traffic, on mirrored stages only).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 class FSDPStageSync:
     """Unshard-for-the-step / reduce-after-last-W driver of one ``fully_shard``-wrapped stage module."""
 
-    def __init__(self, module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None):
+    def __init__(self, module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None,
+                 group: dist.ProcessGroup | None = None):
         if not isinstance(module, FSDPModule):
             raise TypeError(f"FSDPStageSync needs a module wrapped with fully_shard, got {type(module).__name__}")
         self.module = module
@@ -69,9 +75,18 @@ class FSDPStageSync:
             raise ValueError(f"only a 1-D mesh with Shard(0) placements is supported (no HSDP / shard_placement_fn); "
                              f"mesh ndim {self.mesh.ndim}, other placements: {wrong}")
         self.names = [n for n, _ in sharded]
-        self.group = self.mesh.get_group()
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        shard_group = self.mesh.get_group()
+        self.world = dist.get_world_size(shard_group)  # the shard count: FSDP's dim-0 chunking
+        self.rank = dist.get_rank(shard_group)
+        shard_ranks = set(dist.get_process_group_ranks(shard_group))
+        if group is not None and set(dist.get_process_group_ranks(group)) == shard_ranks:
+            group = None  # the same ranks: reduce-scatter over the shard mesh itself
+        self.group = shard_group if group is None else group
+        self.reduce_world = dist.get_world_size(self.group)
+        if self.reduce_world % self.world or not shard_ranks <= set(dist.get_process_group_ranks(self.group)):
+            raise ValueError(f"group= (ranks {dist.get_process_group_ranks(self.group)}) must contain the shard mesh's "
+                             f"ranks {sorted(shard_ranks)} and be a multiple of its size {self.world}: the "
+                             "mirrored copies x the data-parallel replicas")
         self.divide_by = self.world if divide_by is None else divide_by
         if self.divide_by < 1:
             raise ValueError(f"divide_by={self.divide_by} must be >= 1")
@@ -80,9 +95,11 @@ class FSDPStageSync:
         self.collectives_posted = 0
 
     def begin_step(self) -> None:
-        """Before the stage's first F of the step: keep everything unsharded until ``start()``."""
-        if self._pending is not None:
-            raise RuntimeError("begin_step() while a gradient reduction is pending: call wait() first")
+        """Before the stage's first F of the step: keep everything unsharded until ``start()``.
+
+        A reduction that a failed step left pending is abandoned (its group is replaced by
+        ``resilience.regroup`` before the step is retried)."""
+        self._pending, self._fulls = None, []
         root = self.module
         root.set_reshard_after_forward(False)
         root.set_reshard_after_backward(False)
@@ -116,8 +133,12 @@ class FSDPStageSync:
             full = layout.new_full(b, unsharded[0][1].device)
             layout.pack(b, [unsharded[s.index][2] for s in bucket.slots], full)
             fulls.append(full)
-            shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=full.device)
-            works.append(_reduce_scatter(shard, full, group=self.group, async_op=True))
+            if self.reduce_world == self.world:
+                shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=full.device)
+                works.append(_reduce_scatter(shard, full, group=self.group, async_op=True))
+            else:  # mirrored copies: sum over copies x replicas, then keep this rank's chunk (a view)
+                works.append(dist.all_reduce(full, group=self.group, async_op=True))
+                shard = full.view(self.world, bucket.shard_numel)[self.rank]
             shards.append(shard)
             self.collectives_posted += 1
         for m in self.fsdp:

@@ -25,13 +25,15 @@ over the expert-data-parallel group but divide by dp x ep (see ``mesh.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .layout import ShardLayout
+from .tensor_parallel import like_param, local_tensor
 
 MODES = ("allreduce", "zero1")
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
@@ -76,7 +78,10 @@ class GradSync:
         if len(devices) != 1:
             raise ValueError(f"a stage's parameters must share one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
-        self.layout = ShardLayout(self.params, self.world, bucket_bytes)
+        if mode == "zero1" and any(isinstance(p, DTensor) for p in self.params):
+            raise ValueError("GradSync mode 'zero1' shards plain parameters; tensor-parallel (DTensor) parameters "
+                             "reduce with mode 'allreduce'")
+        self.layout = ShardLayout([local_tensor(p) for p in self.params], self.world, bucket_bytes)  # tp: local shard
         # allreduce keeps its buckets (DDP does too); zero1 allocates them per step and frees them at
         # wait(), so between steps a rank holds only its gradient shard
         self._full = ([self.layout.new_full(b, self.device) for b in range(len(self.layout.buckets))]
@@ -98,7 +103,10 @@ class GradSync:
         return self._state == "done"
 
     def begin_step(self) -> None:
-        """Nothing to prepare before the stage's first F (same protocol as ``FSDPStageSync``)."""
+        """Before the stage's first F: a reduction that a failed step left pending is abandoned (the
+        caller replaces its group, ``resilience.regroup``); nothing else to prepare."""
+        self._works = []
+        self._state = "idle"
 
     def start(self) -> None:
         """Post one asynchronous collective per bucket over the current ``.grad`` of every parameter."""
@@ -108,7 +116,7 @@ class GradSync:
         if self.mode == "zero1":
             self._full = [self.layout.new_full(b, self.device) for b in range(len(self.layout.buckets))]
         for b, bucket in enumerate(self.layout.buckets):
-            grads = [self.params[s.index].grad for s in bucket.slots]
+            grads = [local_tensor(self.params[s.index].grad) for s in bucket.slots]
             self.layout.pack(b, grads, self._full[b])
             if self.mode == "allreduce":
                 self._works.append(dist.all_reduce(self._full[b], group=self.group, async_op=True))
@@ -133,9 +141,9 @@ class GradSync:
                 for s, g in zip(self.layout.buckets[b].slots, self.layout.unpack(b, self._full[b])):
                     p = self.params[s.index]
                     if p.grad is None:
-                        p.grad = g.clone()
+                        p.grad = like_param(p, g.clone())
                     else:
-                        p.grad.copy_(g)
+                        local_tensor(p.grad).copy_(g)
             else:
                 self._shard[b].div_(self.divide_by)
         if self.mode == "zero1":
@@ -164,3 +172,160 @@ class GradSync:
     def new_shards(self) -> list[torch.Tensor]:
         """Zeroed per-bucket ``(S,)`` buffers shaped like this rank's shard of every bucket."""
         return [torch.zeros(b.shard_numel, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
+
+
+class TiedSync:
+    """The gradient of weights tied across pipeline stages (a shared embedding / LM head), summed once per step.
+
+    ``copies[i]`` are this rank's copies of tied weight ``i`` (one per local stage holding it; the
+    same ``Parameter`` object may appear in several stages and counts once). The tie is reduced
+    like a late bucket of its stages: each local holder stage's ``StageSync`` calls ``arrive``
+    at its REDUCE_GRAD, and when the last of them has (all their W ran, so every local copy's
+    gradient is final) the copies are summed into the first one, the *representative*, and its
+    reduction over ``group`` (the pipeline ranks holding a copy x the data-parallel replicas,
+    ``ParallelDims.stage_sync_groups``) is posted. ``group=None``: every copy is on this rank and
+    no replica exists, only the local sum runs. After ``wait()`` every copy's ``.grad`` holds the
+    total (allreduce mode), or the representative's shard is in ``sync.grad_shards()`` and every
+    copy's ``.grad`` is None (zero1). An optimizer steps the representative only and copies
+    it into the other copies (``copy_to_copies``): the copies are one weight, stepped once.
+    """
+
+    def __init__(self, copies: Sequence[Sequence[nn.Parameter]], stages: Iterable[tuple[int, int]],
+                 group: dist.ProcessGroup | None, *, mode: str = "allreduce", divide_by: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, names: Sequence[str] | None = None):
+        self.copies = [list({id(p): p for p in c}.values()) for c in copies]
+        if not self.copies or any(not c for c in self.copies):
+            raise ValueError("TiedSync needs at least one copy of every tied weight")
+        self.reps = [c[0] for c in self.copies]
+        self.names = tuple(names) if names is not None else tuple(str(i) for i in range(len(self.reps)))
+        if len(self.names) != len(self.reps):
+            raise ValueError(f"{len(self.names)} names for {len(self.reps)} tied weights")
+        self.stages = frozenset(stages)
+        self.mode = mode
+        self.sync = (GradSync(self.reps, group, mode=mode, bucket_bytes=bucket_bytes, divide_by=divide_by)
+                     if group is not None else None)
+        if self.sync is None and mode != "allreduce":
+            raise ValueError(f"a tie without a group has nothing to shard: mode must be 'allreduce', got {mode!r}")
+        self._arrived: set[tuple[int, int]] = set()
+        self._state = "idle"
+
+    @property
+    def collectives_posted(self) -> int:
+        return self.sync.collectives_posted if self.sync is not None else 0
+
+    def begin_step(self) -> None:
+        """Forget last step's arrivals (called by every holder stage; idempotent before the first arrival)."""
+        self._arrived = set()
+        self._state = "idle"
+        if self.sync is not None:
+            self.sync.begin_step()
+
+    def arrive(self, stage: tuple[int, int]) -> None:
+        """Holder ``stage``'s gradients are final; post the reduction once every local holder arrived."""
+        if stage not in self.stages:
+            raise ValueError(f"stage {stage} holds no copy of this tie (holders: {sorted(self.stages)})")
+        self._arrived.add(stage)
+        if self._arrived == self.stages and self._state == "idle":
+            self.start()
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Sum the local copies into the representative and post its reduction (the late bucket)."""
+        for rep, copies in zip(self.reps, self.copies):
+            for other in copies[1:]:
+                if other.grad is None:
+                    continue
+                if rep.grad is None:
+                    rep.grad = other.grad.clone()
+                else:
+                    rep.grad.add_(other.grad)
+                other.grad = None
+        if self.sync is not None:
+            self.sync.start()
+        self._state = "started"
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Complete the reduction (once, whichever holder stage asks first) and hand the total to every copy."""
+        if self._state == "done":
+            return
+        if self._state != "started":
+            missing = sorted(self.stages - self._arrived)
+            raise RuntimeError(f"TiedSync.wait() before every holder stage reached its REDUCE_GRAD; missing {missing}")
+        if self.sync is not None:
+            self.sync.wait()
+        if self.mode == "allreduce":
+            for rep, copies in zip(self.reps, self.copies):
+                for other in copies[1:]:
+                    other.grad = None if rep.grad is None else rep.grad.clone()
+        self._state = "done"
+
+    @property
+    def pending(self) -> bool:
+        return self._state == "started"
+
+    @property
+    def synced(self) -> bool:
+        return self._state == "done"
+
+    @torch.no_grad()
+    def copy_to_copies(self) -> None:
+        """After the representative was stepped: make every other local copy equal to it."""
+        for rep, copies in zip(self.reps, self.copies):
+            for other in copies[1:]:
+                other.copy_(rep)
+
+
+class StageSync:
+    """Everything one stage reduces at its REDUCE_GRAD: one ``GradSync`` per weight kind, and its ties.
+
+    ``parts``: e.g. the dense weights over copies x dp x ep and the expert weights over copies x dp
+    (``weight_kinds``, ``ParallelDims.stage_sync_groups(holders, kind)``), posted together;
+    ``ties``: the ``TiedSync`` objects this stage holds a copy of, told that this stage is done
+    (the last local holder posts the tie). Same protocol as ``GradSync``: ``begin_step``,
+    ``start``, ``wait``.
+    """
+
+    def __init__(self, stage: tuple[int, int], parts: Sequence[GradSync] = (), ties: Sequence[TiedSync] = ()):
+        self.stage = stage
+        self.parts = list(parts)
+        self.ties = list(ties)
+        self._state = "idle"
+
+    @property
+    def collectives_posted(self) -> int:
+        """Collectives this stage's own parts posted (a tie's are counted on its ``TiedSync``)."""
+        return sum(p.collectives_posted for p in self.parts)
+
+    @property
+    def pending(self) -> bool:
+        return self._state == "started"
+
+    @property
+    def synced(self) -> bool:
+        return self._state == "done"
+
+    def begin_step(self) -> None:
+        for p in self.parts:
+            p.begin_step()
+        for t in self.ties:
+            t.begin_step()
+        self._state = "idle"
+
+    def start(self) -> None:
+        if self._state == "started":
+            raise RuntimeError("StageSync.start() called twice without wait(): one reduction per step")
+        for p in self.parts:
+            p.start()
+        for t in self.ties:
+            t.arrive(self.stage)
+        self._state = "started"
+
+    def wait(self) -> None:
+        if self._state != "started":
+            raise RuntimeError("StageSync.wait() without a pending start()")
+        for p in self.parts:
+            p.wait()
+        for t in self.ties:
+            t.wait()
+        self._state = "done"

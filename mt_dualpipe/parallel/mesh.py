@@ -61,12 +61,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..runtime.device import BACKENDS, backend_for, try_import_musa
+from .weight_kinds import check_kind
 
 DIMS = ("pp", "dp", "ep", "tp")
 """Mesh dimension names, outermost first."""
 
-KINDS = ("dense", "expert")
-"""Kinds of weights, by the group their gradients reduce over."""
 
 
 def default_device_type() -> str:
@@ -130,9 +129,7 @@ class ParallelDims:
 
     def grad_group(self, kind: str = "dense") -> SyncGroup:
         """The data-parallel group gradients of ``kind`` weights average over: dense -> dp x ep, expert -> dp."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown weight kind {kind!r}; allowed: {', '.join(KINDS)}")
-        return self._dense if kind == "dense" else self._expert
+        return self._dense if check_kind(kind) == "dense" else self._expert
 
     def stage_sync_groups(self, holders: Sequence[Sequence[int]], kind: str = "dense") -> dict[int, SyncGroup]:
         """Gradient groups per stage, given ``holders[stage]`` = the pp ranks that hold a copy of it.

@@ -21,12 +21,15 @@ stages are refused with a message pointing here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..parallel.weight_kinds import KINDS, weight_kind
 from .errors import PipelineError
 
 DP_MODES = ("allreduce", "zero1", "fsdp")
@@ -68,9 +71,9 @@ def check_mesh(mesh: Any, num_pp_ranks: int | None = None) -> None:
                             f"= {mesh.pp * mesh.dp * mesh.ep * mesh.tp}; build it with init_parallel")
     if tuple(mesh.mesh.shape) != sizes:
         raise PipelineError(f"the mesh's shape {tuple(mesh.mesh.shape)} is not (pp, dp, ep, tp) = {sizes}")
-    if mesh.ep != 1 or mesh.tp != 1:
-        raise PipelineError(f"Pipeline(mesh=) supports pp x dp meshes; got ep={mesh.ep}, tp={mesh.tp} (expert and "
-                            "tensor parallel stages need per-parameter groups the pipeline does not build yet)")
+    if mesh.tp != 1 and mesh.ep != 1:  # tensor parallel: parallel/tensor_parallel.py
+        raise PipelineError(f"Pipeline(mesh=) with tp={mesh.tp} supports ep=1 only, got ep={mesh.ep}: tensor-parallel "
+                            "expert layers are not built (docs/architecture.md, 'Tensor parallel')")
 
 
 def stage_holders(placement: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -83,12 +86,18 @@ def _check_supported(module: nn.Module, dp_mode: str, where: str) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    tp = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names
+                                                                                       or ())]
+    if tp and dp_mode != "allreduce":  # each tp rank all-reduces its local shard (parallel/tensor_parallel.py)
+        raise PipelineError(f"{where}: tensor-parallel (DTensor) parameters such as {tp[:2]} reduce over dp with "
+                            f"dp_mode='allreduce' only, got dp_mode={dp_mode!r}")
     if dp_mode == "fsdp":
         if not isinstance(module, FSDPModule):
             raise PipelineError(f"{where}: dp_mode='fsdp' needs stage modules wrapped with fully_shard(module, "
                                 f"mesh=dims.submesh('dp')); got a plain {type(module).__name__}")
         return
-    sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    sharded = [n for n, p in module.named_parameters()  # tensor-parallel shards (a tp-only mesh) are allowed
+               if isinstance(p, DTensor) and tuple(p.device_mesh.mesh_dim_names or ()) != ("tp",)]
     if sharded:
         raise PipelineError(f"{where}: dp_mode={dp_mode!r} reduces plain tensors but the module has DTensor "
                             f"parameters {sharded[:3]}; use dp_mode='fsdp' for fully_shard modules")
@@ -96,29 +105,13 @@ def _check_supported(module: nn.Module, dp_mode: str, where: str) -> None:
         raise PipelineError(f"{where}: dp_mode={dp_mode!r} needs at least one parameter that requires grad")
 
 
-def build_syncs(mesh: Any, placement: Sequence[Sequence[int]], local: Sequence[tuple[int, int]],
-                modules: Sequence[nn.Module], dp_mode: str, bucket_bytes: int,
-                label: str) -> dict[tuple[int, int], Any]:
-    """One sync object per local (chain, stage) whose group spans more than this rank (collective)."""
-    from ..parallel import FSDPStageSync, GradSync
+def replica_slice(values: Sequence[Any], replica: int, replicas: int, dim: int, what: str,
+                  label: str | None = None) -> tuple:
+    """This replica's contiguous share of every tensor of a global batch (None stays None).
 
-    groups = mesh.stage_sync_groups(stage_holders(placement), "dense")
-    out: dict[tuple[int, int], Any] = {}
-    for (c, s), module in zip(local, modules):
-        g = groups[s]
-        where = f"{label}, stage (chain {c}, stage {s})"
-        _check_supported(module, dp_mode, where)
-        if len(g.ranks) == 1 and dp_mode != "fsdp":
-            continue
-        if dp_mode == "fsdp":
-            out[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by)
-        else:
-            out[(c, s)] = GradSync(module, g.group, mode=dp_mode, bucket_bytes=bucket_bytes, divide_by=g.divide_by)
-    return out
-
-
-def replica_slice(values: Sequence[Any], replica: int, replicas: int, dim: int, what: str) -> tuple:
-    """This replica's contiguous share of every tensor of a global batch (None stays None)."""
+    ``label`` names the replicas in the error (default ``dp=<replicas>``; ``dp*ep = 2*2 = 4`` with experts).
+    """
+    label = label or f"dp={replicas}"
     out = []
     for v in values:
         if not isinstance(v, torch.Tensor):
@@ -127,8 +120,247 @@ def replica_slice(values: Sequence[Any], replica: int, replicas: int, dim: int, 
         if v.dim() <= dim or v.shape[dim] % replicas:
             size = "no such dim" if v.dim() <= dim else f"{v.shape[dim]} rows"
             raise PipelineError(f"{what} of shape {tuple(v.shape)}: a global batch of {size} along batch_dim={dim} "
-                                f"does not split over the dp={replicas} data-parallel replicas; use a batch size "
+                                f"does not split over the {label} data-parallel replicas; use a batch size "
                                 f"divisible by {replicas} (or dp_batch='local' and pass each replica's own batch)")
         n = v.shape[dim] // replicas
         out.append(v.narrow(dim, replica * n, n))
     return tuple(out)
+
+
+# ----- weights tied across stages -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tie:
+    """Tied weights (parameter FQNs in their stage modules) held by the same pipeline ranks."""
+
+    names: tuple[str, ...]
+    holders: tuple[int, ...]                  # pp ranks holding a copy
+    stages: tuple[tuple[int, int], ...]       # every (chain, stage) holding a copy, pipeline-wide
+
+
+def _declared(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
+    """A stage module's ``tied_parameters`` (names, problem): a tuple of parameter FQNs."""
+    names = getattr(module, "tied_parameters", ())
+    if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        return (), (f"tied_parameters of {type(module).__name__} must be a tuple of parameter names (FQNs within "
+                    f"the stage module), got {names!r}")
+    own = dict(module.named_parameters())
+    return tuple(names), next((f"tied parameter {n!r} is marked 'expert' in {type(module).__name__}: expert weights "
+                               "are sharded over ep, only dense weights can be tied" for n in names
+                               if n in own and weight_kind(own[n]) != "dense"), None)
+
+
+def _gathered(payload: Any, group: dist.ProcessGroup) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, payload, group=group)
+    return out
+
+
+def find_ties(modules: Sequence[nn.Module], local: Sequence[tuple[int, int]], group: dist.ProcessGroup,
+              pp_rank: int, label: str) -> tuple[list[Tie], int]:
+    """The pipeline's ties and its number of expert-kind parameters (collective over the pp ``group``).
+
+    Every rank sends its stages' ``tied_parameters``; a name any stage declares ties every
+    parameter of that name in any stage (contract: names are FQNs within the stage module). A
+    name held by one stage index only (its mirrored DualPipe copies aside) is no tie. Problems
+    found on one rank are raised on every rank, so no rank waits for a collective in vain.
+    """
+    mine = [(c, s, *_declared(m)) for (c, s), m in zip(local, modules)]
+    experts = sum(1 for m in modules for p in m.parameters() if weight_kind(p) == "expert")
+    first = _gathered((pp_rank, label, mine, experts), group)
+    problems = [f"{lab}, stage (chain {c}, stage {s}): {err}" for _, lab, stages, _ in first
+                for c, s, _, err in stages if err]
+    if problems:
+        raise PipelineError(problems[0])
+    names = sorted({n for _, _, stages, _ in first for _, _, declared, _ in stages for n in declared})
+    total_experts = sum(e for *_, e in first)
+    if not names:
+        return [], total_experts
+    held = [(c, s, n, tuple(p.shape), str(p.dtype), p.requires_grad) for (c, s), m in zip(local, modules)
+            for n, p in m.named_parameters() if n in names]
+    copies = [(r, lab, *h) for r, lab, hs in _gathered((pp_rank, label, held), group) for h in hs]
+    return _group_ties(names, copies), total_experts
+
+
+def _group_ties(names: list[str], copies: list[tuple]) -> list[Tie]:
+    """One ``Tie`` per set of holding pp ranks (checked: one shape and dtype per name, all trainable)."""
+    by_holders: dict[tuple[int, ...], list[tuple[str, list[tuple]]]] = {}
+    for name in names:
+        mine = [cp for cp in copies if cp[4] == name]
+        if not mine:
+            raise PipelineError(f"tied_parameters names {name!r}, which is not a parameter of any stage module; "
+                                "names are FQNs within the stage module (as in module.named_parameters())")
+        kinds = {(cp[5], cp[6]) for cp in mine}
+        if len(kinds) > 1:
+            where = "; ".join(f"{cp[1]}, stage (chain {cp[2]}, stage {cp[3]}): shape {cp[5]}, {cp[6]}" for cp in mine)
+            raise PipelineError(f"tied parameter {name!r} differs between its copies ({where}); tied copies must "
+                                "have one shape and dtype")
+        frozen = [cp for cp in mine if not cp[7]]
+        if frozen:
+            raise PipelineError(f"tied parameter {name!r} does not require grad in {frozen[0][1]}, stage (chain "
+                                f"{frozen[0][2]}, stage {frozen[0][3]}); freeze every copy or none")
+        if len({cp[3] for cp in mine}) < 2:
+            continue  # one stage (and its mirrored copies): the stage's own reduction handles it
+        holders = tuple(sorted({cp[0] for cp in mine}))
+        by_holders.setdefault(holders, []).append((name, mine))
+    ties = []
+    for holders, entries in sorted(by_holders.items()):
+        stages = tuple(sorted({(cp[2], cp[3]) for _, mine in entries for cp in mine}))
+        ties.append(Tie(tuple(n for n, _ in entries), holders, stages))
+    return ties
+
+
+class PipelineGroups:
+    """``ParallelDims.stage_sync_groups`` for a pipeline without a mesh: copies summed, nothing averaged.
+
+    A stage (or tie) held by several pipeline ranks gets a group over them (``dist.new_group``:
+    every rank of the world calls it, so the pipeline group must be the whole world); one held
+    by this rank alone needs no group (its local copies are summed in place).
+    """
+
+    def __init__(self, pp_rank: int, peers_global: Sequence[int]):
+        self.pp_rank = pp_rank
+        self.peers = list(peers_global)
+
+    def stage_sync_groups(self, holders: Sequence[Sequence[int]], kind: str = "dense") -> dict[int, Any]:
+        from ..parallel import SyncGroup
+
+        out = {}
+        for i, pps in enumerate(holders):
+            if len(pps) < 2:
+                continue
+            ranks = tuple(sorted(self.peers[p] for p in pps))
+            group = dist.new_group(list(ranks))
+            if self.pp_rank in pps:
+                out[i] = SyncGroup(group, ranks, 1)
+        return out
+
+
+# ----- what each local stage reduces ----------------------------------------------------------------
+@dataclass
+class Reductions:
+    """The sync object of each local stage (at its REDUCE_GRAD), and what an optimizer steps.
+
+    ``params``: every trainable parameter of this rank's stages once — tied weights by their
+    representative copy, named ``tied.<name>`` — as ``(name, parameter, sync)``, ``sync`` being
+    the ``GradSync`` that reduces it (None: nothing to reduce, or FSDP). Stage parameters are
+    named ``stage<s>.<fqn>`` (stage indices are unique across the pipeline; DualPipe's mirrored
+    copies share theirs, as they are one weight).
+    """
+
+    syncs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    params: list[tuple[str, nn.Parameter, Any]] = field(default_factory=list)
+    ties: list[Any] = field(default_factory=list)
+
+
+def _needs_sync(g: Any) -> bool:
+    """A group that sums over other ranks or divides (expert weights at dp=1, ep>1 still divide by ep)."""
+    return g is not None and (len(g.ranks) > 1 or g.divide_by > 1)
+
+
+def _kind_groups(groups: Any, holders: list[tuple[int, ...]], mesh: Any) -> dict[str, dict[int, Any]]:
+    """Per weight kind, the stage groups (collective; the expert groups only where ep > 1)."""
+    dense = groups.stage_sync_groups(holders, "dense")
+    expert = groups.stage_sync_groups(holders, "expert") if mesh is not None and mesh.ep > 1 else dense
+    return {"dense": dense, "expert": expert}
+
+
+def _tie_syncs(ties: list[Tie], groups: Any, local: Sequence[tuple[int, int]], modules: Sequence[nn.Module],
+               dp_mode: str, bucket_bytes: int) -> list[Any]:
+    """One ``TiedSync`` per tie this rank holds a copy of (collective: the groups of every tie are built)."""
+    from ..parallel import TiedSync
+
+    tie_groups = groups.stage_sync_groups([t.holders for t in ties], "dense") if ties else {}
+    out = []
+    for i, tie in enumerate(ties):
+        held = [((c, s), dict(m.named_parameters())) for (c, s), m in zip(local, modules) if (c, s) in tie.stages]
+        if not held:
+            continue
+        g = tie_groups.get(i)
+        group = g.group if _needs_sync(g) else None
+        copies = [[params[n] for _, params in held if n in params] for n in tie.names]
+        out.append(TiedSync(copies, [cs for cs, _ in held], group, names=tie.names, bucket_bytes=bucket_bytes,
+                            mode=dp_mode if group is not None else "allreduce",
+                            divide_by=g.divide_by if group is not None else 1))
+    return out
+
+
+def build_reductions(mesh: Any, groups: Any, placement: Sequence[Sequence[int]], local: Sequence[tuple[int, int]],
+                     modules: Sequence[nn.Module], dp_mode: str, bucket_bytes: int, label: str,
+                     ties: list[Tie]) -> Reductions:
+    """The sync objects of this rank's stages (collective over the world: groups are created).
+
+    Per local stage: one ``GradSync`` per weight kind present (dense over copies x dp x ep,
+    expert over copies x dp, both dividing by dp x ep; one kind when ep = 1) — the stage's sync is
+    that ``GradSync`` itself when it is the only one, else a ``StageSync`` of the parts and the
+    ties the stage holds copies of. ``groups``: the mesh, or ``PipelineGroups`` without one.
+    """
+    from ..parallel import FSDPStageSync, GradSync, StageSync, stage_params
+
+    by_kind = _kind_groups(groups, stage_holders(placement), mesh)
+    tied = _tie_syncs(ties, groups, local, modules, dp_mode, bucket_bytes)
+    out = Reductions(ties=tied)
+    tied_ids = {id(p) for t in tied for c in t.copies for p in c}
+    seen: set[int] = set()
+    # by stage index: every rank lists the groups it shares with another in the same order (the
+    # optimizer's ZeRO-1 gathers; NCCL wants one order across communicators)
+    for (c, s), module in sorted(zip(local, modules), key=lambda item: item[0][1]):
+        where = f"{label}, stage (chain {c}, stage {s})"
+        if mesh is not None:
+            _check_supported(module, dp_mode, where)
+        names = {id(p): n for n, p in module.named_parameters()}
+        params = [p for p in stage_params(module) if id(p) not in tied_ids and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        ties_here = [t for t in tied if (c, s) in t.stages]
+        if dp_mode == "fsdp":
+            g = by_kind["dense"].get(s)
+            out.syncs[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by, group=g.group)
+            out.params += [(f"stage{s}.{names[id(p)]}", p, None) for p in params]
+            continue
+        parts = []
+        one_kind = by_kind["expert"] is by_kind["dense"]
+        split = {"dense": params} if one_kind else {k: [p for p in params if weight_kind(p) == k] for k in KINDS}
+        for kind, mine in split.items():
+            g = by_kind[kind].get(s)
+            sync = (GradSync(mine, g.group, mode=dp_mode, bucket_bytes=bucket_bytes, divide_by=g.divide_by)
+                    if mine and _needs_sync(g) else None)
+            parts += [sync] if sync is not None else []
+            out.params += [(f"stage{s}.{names[id(p)]}", p, sync) for p in mine]
+        if len(parts) == 1 and not ties_here:
+            out.syncs[(c, s)] = parts[0]
+        elif parts or ties_here:
+            out.syncs[(c, s)] = StageSync((c, s), parts, ties_here)
+    for t in tied:
+        out.params += [(f"tied.{n}", rep, t.sync) for n, rep in zip(t.names, t.reps)]
+    if out.syncs:  # every local stage has a REDUCE_GRAD once the program has them
+        for cs in local:
+            out.syncs.setdefault(cs, StageSync(cs))
+    return out
+
+
+def needs_reductions(mesh: Any, dp_mode: str | None, ties: list[Tie], experts: int,
+                     group: dist.ProcessGroup) -> bool:
+    """Whether the pipeline reduces anything at REDUCE_GRAD (a mesh, or ties); refuses what it cannot reduce.
+
+    The facts checked are the same on every rank (``find_ties`` gathered them), so every rank
+    raises together.
+    """
+    tied = ", ".join(n for t in ties for n in t.names)
+    if mesh is None:
+        if ties and dist.get_world_size(group) != dist.get_world_size():
+            raise PipelineError(f"tied parameters ({tied}) without mesh= need the pipeline group to span the whole "
+                                f"world ({dist.get_world_size(group)} of {dist.get_world_size()} ranks here): their "
+                                "groups are built over the world; pass mesh=init_parallel(pp=..., dp=...)")
+        return bool(ties)
+    if mesh.ep > 1 and experts == 0:
+        raise PipelineError(f"the mesh has ep={mesh.ep} but no parameter of the pipeline's stages is marked 'expert': "
+                            "mark the routed experts (sharded over dims.group('ep')) with "
+                            "mt_dualpipe.parallel.set_weight_kind(experts, 'expert'), or use dp=... instead of ep for "
+                            "a dense model (expert gradients must not be averaged with other ranks' experts)")
+    if dp_mode == "fsdp" and ties:
+        raise PipelineError(f"dp_mode='fsdp' cannot reduce tied parameters ({tied}): FSDP shards each stage's copy "
+                            "on its own; use dp_mode='zero1' (sharded optimizer state) or 'allreduce'")
+    if dp_mode == "fsdp" and mesh.ep > 1:
+        raise PipelineError(f"dp_mode='fsdp' with ep={mesh.ep} is not supported: fully_shard over dp would average "
+                            "the dense weights over dp only, not dp x ep; use dp_mode='zero1' (what DeepSeek-V3 "
+                            "used) or 'allreduce'")
+    return True

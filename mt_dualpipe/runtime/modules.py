@@ -21,7 +21,19 @@ from ..schedules.ir import Schedule
 from ..schedules.lower import lower
 from ..schedules.registry import build_schedule, schedule_info
 from .comm import P2P
-from .data_parallel import DP_BATCH, DP_MODES, build_syncs, check_mesh, rank_label, refuse_wrapped, replica_slice
+from .data_parallel import (
+    DP_BATCH,
+    DP_MODES,
+    PipelineGroups,
+    Reductions,
+    build_reductions,
+    check_mesh,
+    find_ties,
+    needs_reductions,
+    rank_label,
+    refuse_wrapped,
+    replica_slice,
+)
 from .device import backend_for, module_device
 from .errors import PipelineError
 from .executor import Executor
@@ -63,9 +75,12 @@ class Pipeline(nn.Module):
     ``timeout`` (seconds) bounds every point-to-point wait. Set ``record_timeline = True`` to have
     each step's measured ``Timeline`` in ``self.timeline`` on the pipeline's first rank.
     ``peak_activations`` is this rank's peak of in-flight stage activations in the last training
-    step (+1 at F, -1 at W or BW: the simulator's count). A batch must split into ``num_chunks``
-    equal micro-batches along ``batch_dim`` unless ``allow_uneven`` (the first ``size % num_chunks``
-    micro-batches then get one row more; the losses are still summed per micro-batch).
+    step (+1 at F, -1 at W or BW: the simulator's count). With ``record_activation_bytes = True``
+    a training step also records ``peak_activation_bytes``: this rank's peak of saved-activation
+    bytes (``activation_bytes.py``; off by default: its hooks hide any the caller set). A batch
+    must split into ``num_chunks`` equal micro-batches along ``batch_dim`` unless ``allow_uneven``
+    (the first ``size % num_chunks`` micro-batches then get one row more; the losses are still summed
+    per micro-batch).
 
     A schedule given by name is built on every rank; for a searched one (``auto``) build it once
     and pass the same ``Schedule`` everywhere. An unknown name or option, or a number of modules
@@ -84,6 +99,14 @@ class Pipeline(nn.Module):
     unsharded for the step, reduce-scattered after the last W). ``dp_batch="global"``: every
     replica passes the global batch and takes its dp share; ``"local"``: each passes its own.
     Stages wrapped in ``DistributedDataParallel`` are refused (its hooks miss the deferred W).
+    With ``ep > 1`` the batch splits over the ``dp * ep`` replicas (replica ``dp_coord * ep +
+    ep_coord``); parameters marked ``set_weight_kind(p, "expert")`` reduce over copies x dp, the
+    rest over copies x dp x ep, both divided by dp x ep. ``build_optimizer(factory)`` gives one
+    optimizer for all of this rank's stages (ZeRO-1 shards in zero1 mode).
+
+    Tied weights: a stage module may declare ``tied_parameters`` (parameter FQNs within it); the
+    copies of such a name in every stage are one weight, their gradients summed once per step
+    (after the last W of every local holder, with or without a mesh; ``data_parallel.find_ties``).
     """
 
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
@@ -119,7 +142,7 @@ class Pipeline(nn.Module):
             raise PipelineError(
                 f"{self.rank_name} runs {len(local)} stage(s) {local} of schedule {name!r} but was given "
                 f"{len(self.module)} module(s); pass one module per stage, in (chain, stage) order")
-        self._setup_data_parallel(mesh, dp_mode, dp_batch, bucket_bytes, local)
+        self._setup_data_parallel(mesh, dp_mode, dp_batch, bucket_bytes, local, peers)
         self.batch_dim = batch_dim
         self.allow_uneven = allow_uneven
         self.rank_mapping = None if rank_mapping is None else mapping
@@ -136,23 +159,57 @@ class Pipeline(nn.Module):
         self.record_timeline = False
         self.timeline = None
         self.peak_activations: int | None = None
+        self.record_activation_bytes = False
+        self.peak_activation_bytes: int | None = None
 
     def _setup_data_parallel(self, mesh: Any, dp_mode: str | None, dp_batch: str, bucket_bytes: int | None,
-                             local: list[tuple[int, int]]) -> None:
-        """The data-parallel side (see ``data_parallel.py``): refuse wrapped stages, build one sync per stage."""
+                             local: list[tuple[int, int]], peers: list[int]) -> None:
+        """The data-parallel side (see ``data_parallel.py``): refuse wrapped stages, find tied weights, build
+        one sync per stage (collective over the world when a mesh or ties ask for groups)."""
         from ..parallel import DEFAULT_BUCKET_BYTES
 
         refuse_wrapped(list(self.module), dp_mode if mesh is not None else None, self.rank_name)
         self.mesh, self.dp_batch = mesh, dp_batch
         self.dp_mode = (dp_mode or "allreduce") if mesh is not None else None
-        self.replicas, self.replica = (mesh.dp, mesh.coord("dp")) if mesh is not None else (1, 0)
-        self.grad_syncs: dict[tuple[int, int], Any] = {}
-        if mesh is not None:
+        self.replicas, self.replica = 1, 0
+        if mesh is not None:  # the batch splits over the dp x ep replicas (the ep ranks run different rows)
+            self.replicas, self.replica = mesh.dp * mesh.ep, mesh.coord("dp") * mesh.ep + mesh.coord("ep")
             if mesh.pp != self.num_ranks:
                 raise PipelineError(f"the mesh has pp={mesh.pp} but the pipeline group has {self.num_ranks} ranks")
-            self.grad_syncs = build_syncs(mesh, self.placement, local, list(self.module), self.dp_mode,
-                                          bucket_bytes or DEFAULT_BUCKET_BYTES, self.rank_name)
+        ties, experts = find_ties(list(self.module), local, self.group, self.rank, self.rank_name)
+        self.ties = ties
+        self.reductions = Reductions()
+        if needs_reductions(mesh, self.dp_mode, ties, experts, self.group):
+            groups = mesh if mesh is not None else PipelineGroups(self.rank, peers)
+            self.reductions = build_reductions(mesh, groups, self.placement, local, list(self.module),
+                                               self.dp_mode or "allreduce", bucket_bytes or DEFAULT_BUCKET_BYTES,
+                                               self.rank_name, ties)
+        self.grad_syncs: dict[tuple[int, int], Any] = self.reductions.syncs
         self.data_parallel = bool(self.grad_syncs)  # lower with one REDUCE_GRAD per stage
+
+    def build_optimizer(self, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> Any:
+        """One optimizer (``parallel.PipelineOptimizer``) for every stage this rank holds, in every dp mode.
+
+        ``factory(params)`` builds a ``torch.optim`` optimizer over the tensors it is given: once
+        over the plain parameters (allreduce, fsdp, no mesh) and, in zero1 mode, once per reduced
+        group over this rank's shards (each weight kind over its own group). Tied weights are
+        stepped once (their representative) and copied into the other copies. The object has
+        ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``, ``state_bytes`` and
+        ``param_groups``. Build it again after ``rebuilt()`` (the new pipeline has new syncs).
+        """
+        from ..parallel import PipelineOptimizer
+        from ..parallel.grad_sync import stage_params
+
+        params = self.reductions.params
+        if not params:  # no reductions built (no mesh, no ties): every parameter once, named by its stage
+            local = [s for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == self.rank]
+            seen: set[int] = set()
+            params = []
+            for s, m in zip(local, self.module):
+                names = {id(p): n for n, p in m.named_parameters()}
+                params += [(f"stage{s}.{names[id(p)]}", p, None) for p in stage_params(m) if id(p) not in seen]
+                seen.update(id(p) for p in stage_params(m))
+        return PipelineOptimizer(params, factory, self.dp_mode or "allreduce", self.reductions.ties)
 
     @property
     def stage_syncs(self) -> list[Any]:
@@ -177,9 +234,15 @@ class Pipeline(nn.Module):
         What a fault-tolerant loop needs after a step raised: a timed-out or failed point-to-point
         wait leaves the old group unusable (gloo closes the pair). ``group`` defaults to a new
         group over the same ranks and backend, created collectively (``dist.new_group``), so call
-        it on every rank. The subclass (``DualPipe``, ``DualPipeV``) is kept.
+        it on every rank. The subclass (``DualPipe``, ``DualPipeV``) is kept. With a mesh every
+        pipeline line's new group is created on every rank, in one order (``new_group`` is
+        collective over the world); ``resilience.rebuild_pipeline`` also renews the reductions' groups.
         """
-        if group is None:
+        if group is None and self.mesh is not None:
+            lines = self.mesh.mesh.mesh.reshape(self.num_ranks, -1).t().tolist()  # one per (dp, ep, tp)
+            made = [dist.new_group(line, backend=dist.get_backend(self.group)) for line in lines]
+            group = next(g for g, line in zip(made, lines) if dist.get_rank() in line)
+        elif group is None:
             group = dist.new_group(ranks=dist.get_process_group_ranks(self.group),
                                    backend=dist.get_backend(self.group))
         new = type(self).__new__(type(self))
@@ -188,6 +251,7 @@ class Pipeline(nn.Module):
                           allow_uneven=self.allow_uneven, mesh=self.mesh,
                           dp_mode=self.dp_mode if self.mesh is not None else None, dp_batch=self.dp_batch)
         new.record_timeline = self.record_timeline
+        new.record_activation_bytes = self.record_activation_bytes
         return new
 
     @property
@@ -242,8 +306,10 @@ class Pipeline(nn.Module):
         prepared = _Prepared()
         if self.replicas > 1 and self.dp_batch == "global":
             try:
-                inputs = replica_slice(inputs, self.replica, self.replicas, self.batch_dim, "inputs")
-                labels = replica_slice(labels, self.replica, self.replicas, self.batch_dim, "labels")
+                label = (f"dp*ep = {self.mesh.dp}*{self.mesh.ep} = {self.replicas}" if self.mesh.ep > 1
+                         else f"dp={self.replicas}")
+                inputs = replica_slice(inputs, self.replica, self.replicas, self.batch_dim, "inputs", label)
+                labels = replica_slice(labels, self.replica, self.replicas, self.batch_dim, "labels", label)
             except PipelineError as exc:
                 prepared.problem, prepared.problem_code = exc, 2
                 self._fail_together(prepared.check(num_chunks, not forward_only), exc)
@@ -257,13 +323,14 @@ class Pipeline(nn.Module):
         ex, sched, last = prepared.executor, prepared.executor.program.schedule, prepared.last
         try:
             res = ex.run(prepared.inputs, prepared.labels, criterion, forward_only, return_outputs,
-                         self.record_timeline, check.row())
+                         self.record_timeline, check.row(), self.record_activation_bytes)
         except BaseException:
             self.store.clear()
             self.p2p.forget()  # the ranks may disagree on what was learned: learn again next step
             raise
         if not forward_only:
             self.peak_activations = res.peak_activations
+            self.peak_activation_bytes = res.peak_activation_bytes
         if self.record_timeline:
             self.timeline = gather_timeline(res.events, sched.name, sched.num_ranks, sched.num_microbatches,
                                             self.rank, self.p2p.meta_group, self.p2p.peers_global[0])
@@ -415,7 +482,8 @@ class DualPipe(Pipeline):
         Not with ``mesh=``: the step's REDUCE_GRAD ops already summed the copies (and averaged the replicas).
         """
         if self.grad_syncs:
-            raise PipelineError(f"{self.rank_name}: this DualPipe was built with mesh=, so step() already summed the "
+            why = "mesh=" if self.mesh is not None else "tied_parameters"
+            raise PipelineError(f"{self.rank_name}: this DualPipe was built with {why}, so step() already summed the "
                                 "mirrored copies at each stage's REDUCE_GRAD; do not call sync_mirrored_grads()")
         mirror = self.num_ranks - 1 - self.rank
         mine = [p for m in self.module for p in m.parameters()]

@@ -163,6 +163,12 @@ class Stage:
         if training:
             self.inputs[mb] = inputs
         if not self.is_last:
+            if any(type(o) is not torch.Tensor for o in outs):  # a subclass: no DTensor crosses a boundary
+                from ..parallel.tensor_parallel import dtensor_output_problem
+
+                problem = dtensor_output_problem(outs)
+                if problem:
+                    raise PipelineError(f"{self.where('F', mb)}: {problem}")
             self.outputs[mb] = outs
             return
         if loss is None and criterion is not None:
