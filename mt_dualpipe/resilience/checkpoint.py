@@ -9,7 +9,16 @@ Layout under ``checkpoint_dir``::
         COMMIT              {"step": 20, "world_size": 2}
     .tmp_step_00000030/     a checkpoint being written
 
-Writing: every rank writes its skeleton, then hands its snapshot's flat buffers (one per dtype) to
+Named state (``names.py``): when the ranks' modules and optimizer state can be named globally
+(``stage<s>.<fqn>``), those tensors are saved under their names (``model.stage0.0.weight``,
+``optim.stage0.0.weight.exp_avg``; sharded ones as ``DTensor``s, so DCP records global offsets)
+and only the rest (RNG states, ``stateful`` objects) per rank. Such a checkpoint loads at another
+data-parallel size (``load_into``: the live objects' own layout is the template DCP fills, e.g.
+ZeRO-1 shards at dp=2 into a plain optimizer at dp=1, and the reverse); ``COMMIT`` says
+``"reshardable": true``. The RNG states of a rank that did not exist when it was written come
+from the writer ``rank % old world size`` (random streams are exact only at the same size).
+
+Writing: every rank writes its skeleton, then hands its snapshot's tensors (views, no copy) to
 ``torch.distributed.checkpoint.async_save`` (``mode == "dcp.async_save"``; when this torch lacks it,
 a background thread runs ``dcp.save`` instead, ``mode == "thread+dcp.save"``), on a dedicated gloo
 group so its collectives never interleave with training's. Training continues meanwhile; the
@@ -32,14 +41,18 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from .snapshot import Snapshot
+from .names import StateNames
+from .snapshot import Snapshot, pack, restore_rng, restore_snapshot, tensor_refs, unpack
 
 # single-process checkpoints pass no_dist=True on purpose; DCP still warns from its writer thread
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
@@ -66,6 +79,59 @@ class _NoStaging:
 
     def close(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class NamedRef:
+    """A tensor of a checkpoint skeleton saved under a global DCP key (``names.py``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sharded: bool  # a DTensor: only a template with the live layout can load it
+
+
+def _split_named(payload: dict[str, Any], names: StateNames | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the payload with ``NamedRef``s for the globally named tensors, the DCP items of those tensors)."""
+    items: dict[str, Any] = {}
+
+    def ref(key: str, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        items[key] = v
+        return NamedRef(key, tuple(v.shape), v.dtype, isinstance(v, DTensor))
+
+    out = dict(payload)
+    if names is None:
+        return out, items
+    out["modules"] = [{k: ref(f"model.{pre}{k}", v) for k, v in sd.items()}
+                      for pre, sd in zip(names.prefixes, payload["modules"])]
+    opt = payload["optimizer"]
+    if opt is not None and names.optimizer is not None:
+        out["optimizer"] = {"state": {k: {kk: ref(f"optim.{names.optimizer[k]}.{kk}", v) for kk, v in per.items()}
+                                      for k, per in opt["state"].items()},
+                            "param_groups": opt["param_groups"]}
+    return out, items
+
+
+def _named_refs(value: Any) -> list[NamedRef]:
+    if isinstance(value, NamedRef):
+        return [value]
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _named_refs(v)]
+    if isinstance(value, (list, tuple)):
+        return [r for v in value for r in _named_refs(v)]
+    return []
+
+
+def _fill_named(value: Any, loaded: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, NamedRef):
+        return loaded[value.key]
+    if isinstance(value, dict):
+        return type(value)((k, _fill_named(v, loaded)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_fill_named(v, loaded) for v in value]
+    return value
 
 
 def _name(step: int) -> str:
@@ -114,6 +180,7 @@ class CheckpointManager:
         self._pending: tuple[int, str, concurrent.futures.Future] | None = None
         self._pending_snapshot: Snapshot | None = None
         self.committed: list[int] = []
+        self._reshardable = False  # of the write in flight: its COMMIT says so
         if self.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
             for entry in os.listdir(self.directory):  # leftovers of writes that never committed
@@ -130,19 +197,28 @@ class CheckpointManager:
                                       f"group is broken): {str(exc).splitlines()[0][:200]}") from exc
 
     # ----- writing ------------------------------------------------------------------------------
-    def save(self, snap: Snapshot) -> None:
-        """Start writing ``snap`` (collective: every rank calls it for the same step); returns at once."""
+    def save(self, snap: Snapshot, names: StateNames | None = None) -> None:
+        """Start writing ``snap`` (collective: every rank calls it for the same step); returns at once.
+
+        ``names``: the global names of the snapshot's modules and optimizer state (``names.py``);
+        with them the checkpoint is reshardable, without them everything is saved per rank."""
+        if names is None and any(r.dtensor is not None for r in tensor_refs(snap.skeleton)):
+            raise CheckpointError("the snapshot holds sharded (DTensor) state but its modules cannot be named per "
+                                  "stage (the pipeline has no placement): nothing could load it back")
         self.wait()
         tmp = os.path.join(self.directory, f"{_TMP_PREFIX}{_name(snap.step)}")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         self._barrier(f"write the checkpoint of step {snap.step}")
-        meta = {"step": snap.step, "position": snap.position, "skeleton": snap.skeleton,
-                "buffers": {name: (b.dtype, b.numel()) for name, b in snap.buffers.items()}}
+        rest, named = _split_named(snap.payload(), names)
+        skeleton, buffers = pack(rest)  # the per-rank rest (RNG, stateful): small copies
+        self._reshardable = names is not None and names.optimizer is not None
+        meta = {"step": snap.step, "position": snap.position, "skeleton": skeleton, "world_size": self.world_size,
+                "buffers": {name: (b.dtype, b.numel()) for name, b in buffers.items()}}
         torch.save(meta, os.path.join(tmp, f"skeleton_rank{self.rank}.pt"))
-        # the snapshot's buffers are private copies nobody writes to: they need no staging copy
-        tensors = {f"r{self.rank}.{name}": b.cpu() for name, b in snap.buffers.items()}
+        # named tensors are views of the snapshot's buffers, private copies nobody writes to: no staging copy
+        tensors = {**named, **{f"r{self.rank}.{name}": b.cpu() for name, b in buffers.items()}}
         kwargs: dict[str, Any] = {"checkpoint_id": tmp, "process_group": self.group, "no_dist": not self.distributed}
         if self.mode == "dcp.async_save":
             if _TAKES_STAGER:
@@ -217,7 +293,8 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: str) -> None:
         with open(os.path.join(tmp, "COMMIT"), "w") as f:
-            json.dump({"step": step, "world_size": self.world_size}, f)
+            json.dump({"step": step, "world_size": self.world_size,
+                       "reshardable": self._reshardable}, f)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -253,7 +330,8 @@ class CheckpointManager:
                 marker = json.load(f)
         except (OSError, ValueError):
             return False
-        return (marker.get("step") == step and marker.get("world_size") == self.world_size
+        return (marker.get("step") == step
+                and (marker.get("world_size") == self.world_size or bool(marker.get("reshardable")))
                 and os.path.exists(os.path.join(path, ".metadata")))
 
     def latest(self) -> int | None:
@@ -266,18 +344,90 @@ class CheckpointManager:
             value = int(t)
         return None if value < 0 else value
 
-    def load(self, step: int) -> Snapshot:
-        """Read this rank's snapshot of checkpoint ``step`` (collective)."""
+    def _read_meta(self, step: int) -> tuple[str, dict[str, Any], int, int]:
+        """(path, the skeleton this rank reads, its writer rank, the writers' world size)."""
         path = os.path.join(self.directory, _name(step))
         if not self._is_complete(path, step):
             raise CheckpointError(f"{path} is not a complete checkpoint (no COMMIT marker or .metadata, or written "
-                                  f"by a different number of ranks than {self.world_size})")
-        meta = torch.load(os.path.join(path, f"skeleton_rank{self.rank}.pt"), weights_only=False)
-        buffers = {f"r{self.rank}.{name}": torch.empty(n, dtype=dtype) for name, (dtype, n) in meta["buffers"].items()}
-        dcp.load(buffers, checkpoint_id=path, process_group=self.group, no_dist=not self.distributed)
-        return Snapshot(meta["step"], meta["position"], meta["skeleton"],
-                        {name: buffers[f"r{self.rank}.{name}"] for name in meta["buffers"]})
+                                  f"by a different number of ranks than {self.world_size} without named state)")
+        with open(os.path.join(path, "COMMIT")) as f:
+            world = int(json.load(f)["world_size"])
+        src = self.rank % world
+        meta = torch.load(os.path.join(path, f"skeleton_rank{src}.pt"), weights_only=False)
+        return path, meta, src, world
+
+    def load(self, step: int) -> Snapshot:
+        """Read this rank's snapshot of checkpoint ``step`` (collective; same number of ranks, no sharded state)."""
+        path, meta, src, _ = self._read_meta(step)
+        refs = _named_refs(meta["skeleton"])
+        sharded = [r.key for r in refs if r.sharded]
+        if sharded:
+            raise CheckpointError(f"{path} holds sharded state ({sharded[0]}, ...): load it into the live modules and "
+                                  "optimizer with load_into (Rewind does)")
+        named = {r.key: torch.empty(r.shape, dtype=r.dtype) for r in refs}
+        buffers = {f"r{src}.{name}": torch.empty(n, dtype=dtype) for name, (dtype, n) in meta["buffers"].items()}
+        dcp.load({**named, **buffers}, checkpoint_id=path, process_group=self.group, no_dist=not self.distributed)
+        local = {name: buffers[f"r{src}.{name}"] for name in meta["buffers"]}
+        skeleton, flat = pack(_fill_named(unpack(meta["skeleton"], local), named))
+        return Snapshot(meta["step"], meta["position"], skeleton, flat)
+
+    def load_into(self, step: int, modules: Sequence[nn.Module], optimizer: Any, names: StateNames | None,
+                  stateful: dict[str, Any] | None = None) -> tuple[int, int, dict[str, Any]]:
+        """Load checkpoint ``step`` into the live ``modules``, ``optimizer``, ``stateful`` objects and the RNGs
+        (collective). The live objects' own layout is DCP's template, so sharded state reshards to the
+        current data-parallel size. Returns ``(step, position, extra)``."""
+        path, meta, src, world = self._read_meta(step)
+        saved = meta["skeleton"]
+        if names is None or not _named_refs(saved.get("modules")):
+            if world != self.world_size:
+                raise CheckpointError(f"{path} was written by {world} ranks with per-rank state; it loads only on "
+                                      f"{world} ranks (this run has {self.world_size})")
+            snap = self.load(step)
+            restore_snapshot(snap, modules, optimizer, stateful)
+            return snap.step, snap.position, snap.extra
+        states = [m.state_dict() for m in modules]
+        template = names.model_entries(states)
+        opt_named = bool(_named_refs(saved.get("optimizer")))
+        osd = None
+        if optimizer is not None and opt_named:
+            osd = _initialised_state(optimizer)
+            template.update(names.optimizer_entries(osd))
+        buffers = {f"r{src}.{name}": torch.empty(n, dtype=dtype) for name, (dtype, n) in meta["buffers"].items()}
+        dcp.load({**template, **buffers}, checkpoint_id=path, process_group=self.group,
+                 no_dist=not self.distributed)
+        for m, sd in zip(modules, states):
+            m.load_state_dict(sd)
+        local = unpack(saved, {name: buffers[f"r{src}.{name}"] for name in meta["buffers"]})
+        if osd is not None:
+            osd["param_groups"] = _hyperparameters(osd["param_groups"], saved["optimizer"]["param_groups"])
+            optimizer.load_state_dict(osd)
+        elif optimizer is not None and local.get("optimizer") is not None:
+            if world != self.world_size:
+                raise CheckpointError(f"{path}: the optimizer state was saved per rank (its parameters could not be "
+                                      f"named); it loads only on {world} ranks")
+            optimizer.load_state_dict(local["optimizer"])
+        for k, obj in (stateful or {}).items():
+            obj.load_state_dict(local["stateful"][k])
+        restore_rng(local["rng"])
+        return meta["step"], meta["position"], dict(local["extra"])
 
     def close(self) -> None:
         """Finish and commit the write in flight."""
         self.wait()
+
+
+def _initialised_state(optimizer: Any) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with every state tensor present (a plain optimizer creates its state lazily)."""
+    from ..parallel.checkpoint import init_optimizer_state
+
+    for opt in getattr(optimizer, "optimizers", None) or [optimizer]:
+        if isinstance(opt, torch.optim.Optimizer):
+            init_optimizer_state(opt, [p for g in opt.param_groups for p in g["params"]])
+    return optimizer.state_dict()
+
+
+def _hyperparameters(live: list[dict[str, Any]], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live param groups with the saved hyperparameters (lr, betas, ...): group by group when the
+    counts agree, else the first saved group's for all (another layout groups the parameters differently)."""
+    pairs = zip(live, saved) if len(live) == len(saved) else ((g, saved[0]) for g in live)
+    return [{**g, **{k: v for k, v in old.items() if k != "params"}} for g, old in pairs]

@@ -82,16 +82,22 @@ def loss_stats(loss: Any) -> tuple[float, int, bool]:
     return total, count, finite
 
 
-def grad_sq_norm(modules: Sequence[nn.Module]) -> float:
+def grad_sq_norm(modules: Sequence[nn.Module], extra: Iterable[torch.Tensor] = ()) -> float:
     """Sum of squares of the local parameters' gradients (inf or nan when a gradient is not finite).
 
     One fused norm per device and a single host sync, so the check stays cheap on accelerators.
+    A sharded (DTensor) gradient counts its local shard only: a check must never start a
+    collective, since a rank whose step raised does not reach it. ``extra``: gradients that live
+    outside ``.grad``, e.g. the reduced ZeRO-1 gradient shards (``GradSync.grad_shards``).
     """
+    from torch.distributed.tensor import DTensor
+
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for m in modules:
-        for p in m.parameters():
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p.grad.detach())
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    for g in [*grads, *extra]:
+        g = g.to_local() if isinstance(g, DTensor) else g
+        if g.numel():
+            by_device.setdefault(g.device, []).append(g.detach())
     total = 0.0
     for grads in by_device.values():
         norms = torch._foreach_norm(grads) if hasattr(torch, "_foreach_norm") else [g.norm() for g in grads]

@@ -45,6 +45,8 @@ from .agree import Agreement, AgreementError, LocalReport, Verdict
 from .checkpoint import CheckpointError, CheckpointManager
 from .detect import FaultKind, LossSpikeDetector, grad_sq_norm, loss_stats, nonfinite_inputs
 from .faults import FaultInjector
+from .names import StateNames
+from .regroup import rebuild_on_mesh, refresh_sync_groups
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
 
 log = logging.getLogger("mt_dualpipe.resilience")
@@ -133,7 +135,9 @@ class RewindConfig:
         transient faults).
       group: the process group whose ranks rewind together (None: the whole world). Rewind creates
         its own gloo groups for agreement and checkpoints, so construct it on every rank in the
-        same order.
+        same order. With a mesh (``Pipeline(mesh=...)``) it must cover every rank of the mesh: the
+        data-parallel replicas rewind together (Rewind then also bounds each data-parallel wait by
+        the pipeline's timeout, see ``regroup.py``).
       timeout: bound, in seconds, of the agreement and checkpoint collectives (default: the
         pipeline's ``timeout`` + 60, or 600). Must exceed the pipeline's point-to-point timeout.
       rebuild: ``rebuild(pipeline) -> pipeline``, called on every rank after a step raised on any
@@ -234,6 +238,10 @@ class Rewind:
         if dist.is_available() and dist.is_initialized():
             group = cfg.group
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            _check_covers_mesh(pipeline, ranks)
+            if getattr(pipeline, "mesh", None) is not None:  # bound every data-parallel wait (see regroup.py)
+                refresh_sync_groups(pipeline, float(getattr(pipeline, "timeout", timeout)))
+        self.names = StateNames.of(pipeline, self.modules, optimizer)
         self.agreement = Agreement(ranks, timeout)
         self.rank = self.agreement.rank
 
@@ -261,11 +269,16 @@ class Rewind:
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.keep_checkpoints, ranks, timeout,
                                              before_commit=faults.before_commit if faults else None)
         latest = self.checkpoints.latest() if cfg.resume else None
-        if latest is not None:
-            snap = self.checkpoints.load(latest)
-            self._restore(snap)
+        if latest is not None:  # into the live objects: a named checkpoint reshards to this layout
+            step, position, extra = self.checkpoints.load_into(latest, self.modules, self.optimizer, self.names,
+                                                               self.stateful)
+            _refresh_shards(self.optimizer)
+            self.step_index, self.position = step, position
+            self.spikes.load(extra.get("loss_history", []))
+            self.skipped |= set(extra.get("skipped", []))
             self.resumed_from = latest
-            self.snapshots = [snap]
+            self.snapshots = []
+            self._snapshot()
             self.counters["resumed"] += 1
             log.info("rank %d: resumed from checkpoint step %d in %s", self.rank, latest, cfg.checkpoint_dir)
 
@@ -287,6 +300,7 @@ class Rewind:
 
     def _restore(self, snap: Snapshot) -> None:
         restore_snapshot(snap, self.modules, self.optimizer, self.stateful)
+        _refresh_shards(self.optimizer)
         self.step_index, self.position = snap.step, snap.position
         self.spikes.load(snap.extra.get("loss_history", []))
         # skipping is knowledge, not state: positions found bad since the snapshot stay skipped
@@ -348,7 +362,12 @@ class Rewind:
         collectives, which a rank that faulted would not join.
         """
         return (self.overlap_optimizer and report.kind == FaultKind.OK and self.grad_hook is None
-                and not (self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads")))
+                and not self._mirrored_sync() and getattr(self.pipeline, "dp_mode", None) in (None, "allreduce"))
+
+    def _mirrored_sync(self) -> bool:
+        """Whether Rewind sums DualPipe's mirrored copies itself (not with a mesh: the step's REDUCE_GRAD did)."""
+        return (self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads")
+                and not getattr(self.pipeline, "grad_syncs", None))
 
     def _attempt(self, batch_fn: Callable[[int], Any], pos: int) -> LocalReport:
         """Read the batch, run the pipeline's step and check it here: this rank's report."""
@@ -372,7 +391,7 @@ class Rewind:
             report.loss_sum, report.loss_count, finite = loss_stats(loss)
             if not finite:
                 report.fault(FaultKind.NONFINITE_LOSS, "loss is NaN or infinite")
-            report.grad_sq = grad_sq_norm(self.modules)
+            report.grad_sq = grad_sq_norm(self.modules, _reduced_shards(self.pipeline))
             if not math.isfinite(report.grad_sq):
                 report.fault(FaultKind.NONFINITE_GRAD, "a local gradient is NaN or infinite")
         self.seconds["checks"] += (t3 - t2) + (clock() - t4)
@@ -392,7 +411,7 @@ class Rewind:
         then maybe a snapshot and a checkpoint."""
         clock = time.perf_counter
         if not stepped:
-            if self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads"):
+            if self._mirrored_sync():
                 self.pipeline.sync_mirrored_grads()  # DualPipe: sum the gradients of the mirrored stage copies
             if self.grad_hook is not None:
                 self.grad_hook()
@@ -411,7 +430,7 @@ class Rewind:
             self.seconds["snapshot"] += t7 - t
             if self.checkpoints is not None and self.step_index % self.checkpoint_every == 0:
                 with self._checkpoint_errors(step):
-                    self.checkpoints.save(snap)
+                    self.checkpoints.save(snap, self.names)
                 self.seconds["checkpoint"] += clock() - t7
 
     def _on_fault(self, step: int, pos: int, verdict: Verdict) -> StepResult:
@@ -487,8 +506,43 @@ class Rewind:
         self.close()
 
 
+def _check_covers_mesh(pipeline: Any, ranks: list[int]) -> None:
+    """With a mesh every rank must rewind together: a fault on one replica would otherwise leave the
+    others stepping on (and, in zero1, gathering parameters from a replica that rewound)."""
+    mesh = getattr(pipeline, "mesh", None)
+    grid = getattr(getattr(mesh, "mesh", None), "mesh", None)
+    if grid is None:
+        return
+    need = sorted(int(r) for r in grid.reshape(-1).tolist())
+    if not set(need) <= set(ranks):
+        raise ValueError(f"Rewind's group spans ranks {sorted(ranks)} but the pipeline's mesh spans {need}: every "
+                         "data-parallel replica must agree on each step (pass group=None for the whole world)")
+
+
+def _reduced_shards(pipeline: Any) -> list[Any]:
+    """The ZeRO-1 gradient shards of the pipeline's syncs (after zero1's reduce-scatter ``.grad`` is None)."""
+    out = []
+    for sync in (getattr(pipeline, "grad_syncs", None) or {}).values():
+        parts = [sync, *getattr(sync, "parts", []), *(getattr(t, "sync", None) for t in getattr(sync, "ties", []))]
+        for part in parts:
+            if getattr(part, "mode", None) == "zero1" and getattr(part, "synced", False):
+                out += [g for g in part.grad_shards() if g is not None]
+    return out
+
+
+def _refresh_shards(optimizer: Any) -> None:
+    """ZeRO-1 keeps its own copy of this rank's parameter shards: take them again from the restored parameters."""
+    for z in [optimizer, *getattr(optimizer, "zero", [])]:
+        refresh = getattr(z, "refresh_shards", None)
+        if callable(refresh):
+            refresh()
+
+
 def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
     """``old.rebuilt(group)``: the same pipeline on a fresh process group (see ``Pipeline.rebuilt``).
+
+    On a mesh (``Pipeline(mesh=...)``): fresh groups for every pipeline line and every data-parallel
+    reduction, the sync objects (and so the optimizers built on them) kept (``regroup.rebuild_on_mesh``).
 
     Kept for callers that pass it as ``rebuild=``; the pipeline itself knows how to rebuild.
     """
@@ -496,6 +550,8 @@ def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
     if rebuilt is None:
         raise TypeError(f"rebuild_pipeline needs a pipeline with a rebuilt() method (mt_dualpipe.Pipeline), got "
                         f"{type(old).__name__}; pass rebuild=")
+    if getattr(old, "mesh", None) is not None:  # every pipeline line and every data-parallel group (regroup.py)
+        return rebuild_on_mesh(old, group, float(old.timeout))
     return rebuilt(group)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 try:  # numpy is optional for the library; its generator is captured when present
     import numpy as np
@@ -58,12 +59,33 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 # ----- skeletons: nested structures with their tensors taken out --------------------------------
 @dataclass(frozen=True)
+class DTensorSpec:
+    """How to rebuild a sharded ``DTensor`` around its local part: mesh, placements, global shape/stride."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, list(self.placements), run_check=False,
+                                  shape=torch.Size(self.shape), stride=self.stride)
+
+
+@dataclass(frozen=True)
 class TensorRef:
-    """Where a tensor taken out of a nested structure lives: ``buffer[offset: offset + numel]``."""
+    """Where a tensor taken out of a nested structure lives: ``buffer[offset: offset + numel]``.
+
+    A ``DTensor`` (ZeRO-1 optimizer state, FSDP2 parameters) is stored by its local part only —
+    what this rank holds — with ``dtensor`` saying how to wrap it again.
+    """
 
     buffer: str
     offset: int
     shape: tuple[int, ...]
+    dtensor: DTensorSpec | None = None
 
     @property
     def numel(self) -> int:
@@ -124,11 +146,15 @@ def pack(value: Any, device: torch.device | str | None = "cpu",
 
     def take(t: torch.Tensor) -> TensorRef:
         t = t.detach()
+        spec = None
+        if isinstance(t, DTensor):
+            spec = DTensorSpec(t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()))
+            t = t.to_local()
         name = buffer_name(t.dtype)
         off = sizes.get(name, 0)
         groups.setdefault(name, []).append(t)
         sizes[name] = off + t.numel()
-        return TensorRef(name, off, tuple(t.shape))
+        return TensorRef(name, off, tuple(t.shape), spec)
 
     skeleton = _map(value, take, leaf=copy.deepcopy)
     buffers: dict[str, torch.Tensor] = {}
@@ -157,8 +183,13 @@ def pack(value: Any, device: torch.device | str | None = "cpu",
 
 
 def unpack(skeleton: Any, buffers: dict[str, torch.Tensor]) -> Any:
-    """The structure of ``skeleton`` with views into ``buffers`` for its tensors (no copy)."""
-    return _map(skeleton, lambda r: buffers[r.buffer][r.offset: r.offset + r.numel].view(r.shape))
+    """The structure of ``skeleton`` with views into ``buffers`` for its tensors (no copy); a
+    ``DTensor`` comes back as a ``DTensor`` around its view."""
+    def view(r: TensorRef) -> torch.Tensor:
+        local = buffers[r.buffer][r.offset: r.offset + r.numel].view(r.shape)
+        return r.dtensor.wrap(local) if r.dtensor is not None else local
+
+    return _map(skeleton, view)
 
 
 def _copy_tensors(value: Any) -> Any:
