@@ -5,16 +5,22 @@
     python examples/deepseek_v3_repro.py --save-pretrained ckpt/ && \
         python examples/deepseek_v3_repro.py --from-pretrained ckpt/ --schedule zbv   # fine-tune a checkpoint
     python examples/deepseek_v3_repro.py --inject-nan 25      # watch a NaN get caught and rewound
-    python examples/deepseek_v3_repro.py --ranks 2 --ep 2 --inject-error 5 --timeout 10   # an exception, rewound
+    python examples/deepseek_v3_repro.py --pp 2 --ep 2 --inject-error 5 --timeout 10   # an exception, rewound
     python examples/deepseek_v3_repro.py --checkpoint-dir ckpt/   # async checkpoints; rerun to resume
-    python examples/deepseek_v3_repro.py --schedule dualpipev --ranks 2 --steps 20 --summary out.json
+    python examples/deepseek_v3_repro.py --schedule dualpipev --pp 2 --steps 20 --summary out.json
     torchrun --nproc-per-node 4 examples/deepseek_v3_repro.py --schedule zbv
-    python examples/deepseek_v3_repro.py --ranks 2 --ep 2        # + expert parallelism: 4 processes
+    python examples/deepseek_v3_repro.py --pp 2 --ep 2          # + expert parallelism: 4 processes
+    python examples/deepseek_v3_repro.py --pp 2 --dp 2 --ep 2 --dp-mode zero1   # DeepSeek-V3's layout, 8 processes
 
-It spawns ``--ranks`` x ``--ep`` processes itself (gloo on 127.0.0.1), or runs as one of them under
-torchrun. With ``--ep E`` there are E data-parallel pipelines whose ranks at the same position
-shard that stage's routed experts and exchange tokens by all-to-all (overlapped with the other
-micro-batch's compute inside DualPipe's F&B units).
+It spawns ``--pp`` x ``--dp`` x ``--ep`` processes itself (gloo on 127.0.0.1), or runs as one of them
+under torchrun, on one ``mt_dualpipe.parallel.init_parallel(pp, dp, ep)`` mesh (pp outermost).
+There are dp x ep data-parallel pipelines; the ep ranks at the same (pp, dp) position shard that
+stage's routed experts and exchange tokens by all-to-all (overlapped with the other micro-batch's
+compute inside DualPipe's F&B units). The pipeline (``Pipeline(mesh=...)``) reduces each stage's
+gradients right after its last W: dense weights over dp x ep (and DualPipe's mirrored copy and the
+MTP's tied embedding copy in the same pass), routed experts over dp; ``--dp-mode zero1`` shards the
+AdamW state over those groups (``pipe.build_optimizer``). ``mt-dualpipe plan --json`` prints the same
+knobs (``--pp --dp --ep --dp-mode --schedule --microbatches --recompute``) as a ready command line.
 Each rank builds the same seeded model (or reads only its own stages' tensors from a Hugging Face
 checkpoint, ``--from-pretrained``), keeps only its stages, and trains with AdamW on a synthetic task,
 or on local text (``--corpus FILES|DIR``: streamed, packed into sequences, every ``--val-every``-th
@@ -57,10 +63,11 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Model,
     criterion_for,
     expert_parallel,
+    fresh_mesh_group,
     max_violation,
     parse_layout,
     stages_for_rank,
-    sync_replicas,
+    sync_expert_load,
     update_expert_bias,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
@@ -74,18 +81,33 @@ from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
 )
 from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
+from mt_dualpipe.runtime.data_parallel import DP_MODES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks, default 2")
+    p.add_argument("--pp", "--ranks", dest="pp", type=int, default=2,
+                   help="pipeline ranks, default 2 (--ranks is the older name)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the whole model, experts included (default 1)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size: --ranks x --ep processes; each pipeline rank's experts are sharded\n"
-                        "over --ep data-parallel replicas and tokens travel by all-to-all (default 1)")
+                   help="expert-parallel size: each pipeline rank's routed experts are sharded over --ep ranks,\n"
+                        "which also run different data (a second data-parallel axis for the dense weights);\n"
+                        "--pp x --dp x --ep processes in all (default 1)")
+    p.add_argument("--dp-mode", default="allreduce", choices=DP_MODES,
+                   help="how the data-parallel gradient sync runs: allreduce (every rank keeps the full AdamW\n"
+                        "state) or zero1 (reduce-scatter, AdamW state sharded over the replicas), default allreduce;\n"
+                        "fsdp is refused for DeepSeek-V3 (experts and dense weights reduce over different groups)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps, default 50 (about a minute on 2 cores)")
     p.add_argument("--schedule", default="dualpipe", help="dualpipe (default), dualpipev, or any registered schedule")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch, default 4")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per rank of interleaved-1f1b (its default: 2)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per micro-batch, default 4 (or --global-batch / (dp x ep x micro-batches))")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step over all replicas; must split into dp x ep replicas x\n"
+                        "micro-batches (default: micro-batch size x micro-batches x dp x ep)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, default 64")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, default 3e-3")
     p.add_argument("--preset", default="tiny", help="model preset, default tiny")
@@ -137,8 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the progress bar")
     args = p.parse_args(argv)
-    if args.ranks < 1 or args.steps < 1 or args.ep < 1:
-        p.error("--ranks, --ep and --steps must be >= 1")
+    if min(args.pp, args.dp, args.ep, args.steps) < 1:
+        p.error(f"--pp, --dp, --ep and --steps must be >= 1, got {args.pp}, {args.dp}, {args.ep} and {args.steps}")
+    check_mesh_args(args, p.error)
     if args.snapshot_every < 1:
         p.error(f"--snapshot-every must be >= 1, got {args.snapshot_every}")
     if args.inject_nan is not None:
@@ -162,6 +185,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_mesh_args(args: argparse.Namespace, error) -> None:
+    """The mesh and batch knobs: pp from torchrun's world size, the data-parallel mode, the schedule's
+    options, and a global batch that splits into dp x ep replicas x micro-batches (sets
+    ``args.micro_batch_size``, ``args.global_batch``, ``args.replicas``, ``args.ranks``)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: the world size fixes pp
+        world = int(os.environ["WORLD_SIZE"])
+        if world % (args.dp * args.ep):
+            error(f"torchrun started {world} processes, not a multiple of --dp x --ep = {args.dp} x {args.ep}")
+        args.pp = world // (args.dp * args.ep)
+    args.ranks = args.pp  # the older name, kept in the summary
+    if args.dp_mode == "fsdp":
+        error("--dp-mode fsdp is not supported for DeepSeek-V3 stages: routed experts reduce over dp and the "
+              "other weights over dp x ep, which one fully_shard mesh cannot express; use allreduce or zero1")
+    if args.virtual_stages is not None and args.schedule != "interleaved-1f1b":
+        error(f"--virtual-stages is an option of interleaved-1f1b, not of {args.schedule!r}")
+    if not args.from_pretrained:  # a checkpoint's expert count is checked when its stages are built
+        try:
+            experts = DeepSeekV3Config.preset(args.preset).n_routed_experts
+        except ValueError as exc:
+            error(str(exc))
+        if experts % args.ep:
+            error(f"--ep {args.ep} does not divide the {experts} routed experts of the {args.preset!r} preset: "
+                  f"use an --ep that divides {experts}")
+    args.replicas = args.dp * args.ep
+    mbs = args.microbatches or default_microbatches(args.schedule, args.pp)
+    if args.global_batch is None:
+        args.micro_batch_size = args.micro_batch_size or 4
+        args.global_batch = args.micro_batch_size * mbs * args.replicas
+        return
+    share = args.replicas * mbs
+    if args.global_batch < 1 or args.global_batch % share:
+        error(f"--global-batch {args.global_batch} does not split over dp x ep = {args.dp} x {args.ep} = "
+              f"{args.replicas} replicas x {mbs} micro-batches: use a positive multiple of {share}")
+    if args.micro_batch_size not in (None, args.global_batch // share):
+        error(f"--micro-batch-size {args.micro_batch_size} disagrees with --global-batch {args.global_batch} = "
+              f"{args.replicas} replicas x {mbs} micro-batches x {args.global_batch // share}; give one of them")
+    args.micro_batch_size = args.global_batch // share
+
+
+def default_microbatches(schedule: str, pp: int) -> int:
+    """Two micro-batches per stage of a chain (DualPipe: per rank, as its two chains share them)."""
+    stages_per_rank = 2 if schedule in ("dualpipev", "zbv", "interleaved-1f1b") else 1
+    return 2 * pp * stages_per_rank
+
+
 # ----- one rank: model, pipeline, optimizer -----------------------------------------------------------
 @dataclass
 class RankSetup:
@@ -171,37 +239,31 @@ class RankSetup:
     schedule: Any
     mods: list
     pipe: Any
-    opt: torch.optim.Optimizer
+    opt: Any                  # pipe.build_optimizer(...): plain AdamW (allreduce) or its ZeRO-1 shards
     pp_rank: int
     fp8_backend: str | None   # backend_summary(): the one line saying which FP8 GEMM runs
     fp8_gemm: str | None      # its name: "scaled_mm" or "emulated"
     split: LayoutCost         # the layout (blocks per stage) and its modelled stage / rank loads
     data: PackedText | None   # --corpus: the packed, split text; None: the synthetic task
+    dims: Any                 # the pp x dp x ep mesh (mt_dualpipe.parallel.ParallelDims)
     last_balance: float = 0.0  # expert-load max violation of the last good step (set by the grad hook)
 
-
-def process_groups(world: int, ep: int, rank: int):
-    """Global rank g is pipeline rank g // ep of expert-parallel replica g % ep: (pp group, ep group).
-    Collective: every rank creates all of them, in the same order (the rebuild after a fault too)."""
-    pp_groups = pipeline_groups(world, ep)
-    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(world // ep)]
-    return pp_groups[rank % ep], (ep_groups[rank // ep] if ep > 1 else None)
-
-
-def pipeline_groups(world: int, ep: int) -> list:
-    """One group per expert-parallel replica over its pipeline ranks (collective: every rank creates all)."""
-    return [dist.new_group([p * ep + e for p in range(world // ep)]) for e in range(ep)]
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica among the dp x ep ones: which share of the global batch it trains on."""
+        return self.dims.coord("dp") * self.dims.ep + self.dims.coord("ep")
 
 
 def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
-    """This rank's pipeline, stage modules, schedule and optimizer."""
-    from mt_dualpipe import DualPipe, DualPipeV, Pipeline
+    """This rank's mesh, pipeline, stage modules, schedule and optimizer."""
+    from mt_dualpipe.parallel import init_parallel
     from mt_dualpipe.schedules.registry import build_schedule
 
-    if world != args.ranks * args.ep:
-        raise SystemExit(f"{world} processes but --ranks {args.ranks} x --ep {args.ep} = {args.ranks * args.ep}")
-    pp_group, ep_group = process_groups(world, args.ep, rank)
-    pp_rank, world = rank // args.ep, args.ranks
+    if world != args.pp * args.dp * args.ep:
+        raise SystemExit(f"{world} processes but --pp {args.pp} x --dp {args.dp} x --ep {args.ep} = "
+                         f"{args.pp * args.dp * args.ep}")
+    dims = init_parallel(pp=args.pp, dp=args.dp, ep=args.ep)  # the experts shard over dims.group("ep")
+    pp_rank, world = dims.coord("pp"), args.pp
 
     tokenizer = load_tokenizer(args.tokenizer) if args.corpus else None
     config = model_config(args, tokenizer)
@@ -209,9 +271,9 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
         config = config.with_balance(args.balance)
     if args.fp8_dispatch:
         config = config.replace(fp8_dispatch=True)
-    stages_per_rank = 2 if args.schedule in ("dualpipe", "dualpipev", "zbv", "interleaved-1f1b") else 1
-    mbs = args.microbatches or 2 * world * (1 if args.schedule == "dualpipe" else stages_per_rank)
-    sched = build_schedule(args.schedule, world, mbs)
+    mbs = args.microbatches or default_microbatches(args.schedule, world)
+    options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
+    sched = build_schedule(args.schedule, world, mbs, **options)
     split = stage_split(config, sched, args.layout, args.seq_len)
     data = None
     if tokenizer is not None:
@@ -219,11 +281,11 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
                           tokenizer=tokenizer, val_every=args.val_every, seed=args.seed)
     if args.from_pretrained:  # only this rank's stages' tensors are read (and, with --ep, only its experts)
         mods = stages_for_rank(config, sched, pp_rank, list(split.counts), checkpoint=args.from_pretrained,
-                               ep_group=ep_group, fp8=args.fp8, recompute=args.recompute)
+                               mesh=dims, fp8=args.fp8, recompute=args.recompute)
     else:
         torch.manual_seed(args.seed)
         full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
-        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, ep_group=ep_group,
+        mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, mesh=dims,
                                recompute=args.recompute)
         del full
     fp8_backend = fp8_gemm = None
@@ -238,30 +300,60 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
         device = next(mods[0].parameters()).device
         fp8_backend, fp8_gemm = backend_summary(device), resolve_gemm(device)[0]
     expert_parallel.set_timeout(mods, args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
+    pipe = make_pipeline(args, mods, sched, dims)
+    opt = make_optimizer(args, pipe, mods)
+    pipe.record_activation_bytes = True  # the runtime's peak of saved-activation bytes per step (--recompute)
+    return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm, split, data, dims)
+
+
+def make_pipeline(args: argparse.Namespace, mods: list, sched: Any, dims: Any) -> Any:
+    """The pipeline on the mesh: it runs on the pp group and reduces every stage's gradients after its last W
+    (dense over dp x ep, experts over dp, mirrored copies and the tied embedding summed in the same pass).
+    Each replica draws its own share of the global batch (``step_batch``), hence ``dp_batch="local"``."""
+    from mt_dualpipe import DualPipe, DualPipeV, Pipeline
+
+    mesh = {"mesh": dims, "dp_mode": args.dp_mode, "dp_batch": "local"}
     if args.schedule == "dualpipe":
-        pipe = DualPipe(tuple(mods), process_group=pp_group, timeout=args.timeout)
-    elif args.schedule == "dualpipev":
-        pipe = DualPipeV(tuple(mods), process_group=pp_group, timeout=args.timeout)
-    else:
-        pipe = Pipeline(mods, sched, pp_group, timeout=args.timeout)
+        return DualPipe(tuple(mods), timeout=args.timeout, **mesh)
+    if args.schedule == "dualpipev":
+        return DualPipeV(tuple(mods), timeout=args.timeout, **mesh)
+    return Pipeline(mods, sched, timeout=args.timeout, **mesh)
+
+
+def make_optimizer(args: argparse.Namespace, pipe: Any, mods: list) -> PipeOptimizer:
+    """AdamW (or AdamWBF16) through ``pipe.build_optimizer``, with --cpu-ema's parameter EMA."""
     from mt_dualpipe.optim import AdamWBF16, CpuEMA
 
-    opt = (AdamWBF16 if args.bf16_moments else torch.optim.AdamW)(
-        [p for m in mods for p in m.parameters()], lr=args.lr, weight_decay=0.1)
-    from mt_dualpipe.integrations.recompute import SavedActivationMeter
+    kind = AdamWBF16 if args.bf16_moments else torch.optim.AdamW
+    ema = CpuEMA(torch.nn.ModuleList(mods), decay=args.cpu_ema) if args.cpu_ema is not None else None
+    return PipeOptimizer(lambda params: kind(params, lr=args.lr, weight_decay=0.1), pipe, ema)
 
-    pipe.activation_meter = meter = SavedActivationMeter()  # bytes autograd saves for backward (--recompute)
-    plain_step = pipe.step
 
-    def metered_step(*a, **k):
-        with meter.measure():
-            return plain_step(*a, **k)
+class PipeOptimizer:
+    """The optimizer of the current pipeline: ``pipe.build_optimizer(factory)`` (one object for this rank's
+    stages; with --dp-mode zero1 its state is sharded over each weight kind's data-parallel group).
 
-    pipe.step = metered_step
-    if args.cpu_ema is not None:  # folded in by a background thread after each step; the next step waits for it
-        ema = CpuEMA(torch.nn.ModuleList(mods), decay=args.cpu_ema, optimizer=opt)
-        opt.register_step_post_hook(lambda *_: ema.update())
-    return RankSetup(config, sched, mods, pipe, opt, pp_rank, fp8_backend, fp8_gemm, split, data)
+    A ZeRO-1 optimizer steps the shards its pipeline's gradient syncs reduce into, so after ``Rewind``
+    rebuilds the pipeline on fresh groups it is built again from the new one (``rebind``); Rewind
+    keeps this one object and restores the snapshot's state into it right after the rebuild.
+    With a CPU EMA a step waits for the EMA's last read, then hands it the new parameters."""
+
+    def __init__(self, factory: Any, pipe: Any, ema: Any = None):
+        self.factory, self.ema = factory, ema
+        self.inner = pipe.build_optimizer(factory)
+
+    def rebind(self, pipe: Any) -> None:
+        self.inner = pipe.build_optimizer(self.factory)
+
+    def step(self) -> None:
+        if self.ema is not None:
+            self.ema.wait()
+        self.inner.step()
+        if self.ema is not None:
+            self.ema.update()
+
+    def __getattr__(self, name: str) -> Any:  # zero_grad, state_dict, load_state_dict, state_bytes, param_groups
+        return getattr(self.__dict__["inner"], name)
 
 
 def model_config(args: argparse.Namespace, tokenizer: Any) -> DeepSeekV3Config:
@@ -316,16 +408,22 @@ def start_line(args: argparse.Namespace, run: RankSetup, world: int) -> str:
     own = sum(p.numel() for m in run.mods for p in m.parameters())
     counts: list = [None] * world
     dist.all_gather_object(counts, own)
-    per_pp = ", ".join(f"{c / 1e6:.2f}M" for c in counts[::args.ep])  # replica 0 of each pipeline rank
+    per_pp = ", ".join(f"{c / 1e6:.2f}M" for c in counts[::args.replicas])  # replica 0 of each pipeline rank
     sched = run.schedule
-    ep = f" x ep {args.ep}" if args.ep > 1 else ""
+    ep = mesh_words(args)
     fault = f", NaN injected at step {args.inject_nan}" if args.inject_nan is not None else ""
     fault += f", exception injected at step {args.inject_error}" if args.inject_error is not None else ""
     rewind = "off" if args.no_rewind else f"snapshot every {args.snapshot_every} steps{fault}"
     layout = layout_string(run.config, sched.num_stages(0), list(run.split.counts))
-    return (f"{args.schedule} · {args.ranks} ranks{ep} · {sched.num_microbatches} micro-batches of "
+    return (f"{args.schedule} · {args.pp} ranks{ep} · {sched.num_microbatches} micro-batches of "
             f"{args.micro_batch_size}x{args.seq_len} tokens · layout {layout} · "
             f"params/rank {per_pp} · rewind: {rewind}")
+
+
+def mesh_words(args: argparse.Namespace) -> str:
+    """' x dp 2 x ep 2 (zero1)' for the data/expert-parallel part of the mesh ('' without one)."""
+    out = (f" x dp {args.dp}" if args.dp > 1 else "") + (f" x ep {args.ep}" if args.ep > 1 else "")
+    return out + (f" ({args.dp_mode})" if out and args.dp_mode != "allreduce" else "")
 
 
 # ----- stepping: Rewind, or the bare loop -------------------------------------------------------------
@@ -375,25 +473,29 @@ def make_stepper(args: argparse.Namespace, run: RankSetup, rank: int, world: int
     if args.inject_error is not None:
         faults = faults or FaultInjector(rank=rank)
         faults.raise_in(rank=world - 1, step=args.inject_error)  # InjectedFault after that module's forward
-    rebuild: Any = "auto"
-    if args.ep > 1:  # several pipeline groups and the EP groups: every rank creates all of them again, in the
-        def rebuild(old):  # same order; on gloo a timed-out all-to-all leaves its EP group out of step
-            pp_group, ep_group = process_groups(world, args.ep, rank)
-            expert_parallel.set_ep_group(run.mods, ep_group)
-            return rebuild_pipeline(old, group=pp_group)
-    # sync_mirrored=False: sync_replicas (in grad_hook) already sums the mirrored stages' gradients
+    def rebuild(old):  # every rank creates every pp (and EP) group again, in the same order: on gloo a timed-out
+        if args.ep > 1:  # wait closes its pair, and a timed-out all-to-all leaves its EP group out of step
+            expert_parallel.set_ep_group(run.mods, fresh_mesh_group(run.dims, "ep"))
+        new = rebuild_pipeline(old, group=fresh_mesh_group(run.dims, "pp"))
+        run.opt.rebind(new)  # Rewind restores the snapshot's optimizer state into it next
+        return new
+
+    # sync_mirrored=False: the pipeline's step already summed the mirrored stages' gradients (mesh=)
     return Rewind(run.pipe, run.opt, num_chunks=run.schedule.num_microbatches, criterion=criterion, modules=run.mods,
                   snapshot_every=args.snapshot_every, checkpoint_dir=args.checkpoint_dir, sync_mirrored=False,
                   grad_hook=grad_hook, rebuild=rebuild, faults=faults)
 
 
 def step_batch(args, run: RankSetup, position: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch at a data position for one data-parallel replica; the ranks of a pipeline draw the same
-    one (seeded by position and replica, or the same packed text batch), so no data is sent."""
+    """One data-parallel replica's share of the global batch at a data position (replica = dp coordinate x ep
+    + ep coordinate); the ranks of a pipeline draw the same one (the synthetic global batch is seeded by the
+    position and cut into dp x ep contiguous shares, or the same packed text batch), so no data is sent."""
+    replicas = args.dp * args.ep
     if run.data is not None:
-        return run.data.train_batch(position * args.ep + replica)
-    gen = torch.Generator().manual_seed((args.seed * 100003 + position) * 1009 + replica)
-    return synthetic_batch(run.config.vocab_size, args.micro_batch_size * args.num_mb, args.seq_len, gen)
+        return run.data.train_batch(position * replicas + replica)
+    gen = torch.Generator().manual_seed((args.seed * 100003 + position) * 1009)
+    x, y = synthetic_batch(run.config.vocab_size, args.micro_batch_size * args.num_mb * replicas, args.seq_len, gen)
+    return x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]
 
 
 def pipeline_batch(run: RankSetup, x: torch.Tensor, y: torch.Tensor) -> dict:
@@ -427,7 +529,7 @@ def validation_loss(args, run: RankSetup, pipeline: Any, rank: int, world: int) 
     for i in range(args.val_batches):
         for m in run.mods:
             m.loss_log.clear()
-        batch = pipeline_batch(run, *run.data.val_batch(i * args.ep + rank % args.ep))
+        batch = pipeline_batch(run, *run.data.val_batch(i * args.replicas + run.replica))
         with torch.no_grad():
             pipeline.step(*batch["inputs"], num_chunks=run.schedule.num_microbatches, criterion=criterion,
                           labels=batch["labels"])
@@ -440,12 +542,12 @@ def validation_loss(args, run: RankSetup, pipeline: Any, rank: int, world: int) 
 def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on_fault=None) -> dict:
     """The training loop; returns the history of the good steps (a rewind drops the steps it undid)."""
     mods = run.mods
-    tokens_per_step = args.num_mb * args.micro_batch_size * args.seq_len * args.ep
+    tokens_per_step = args.global_batch * args.seq_len
     start = stepper.step_index  # > 0 after resuming from a checkpoint
     history: dict = {"first_step": start, "loss": [], "mtp_loss": [], "balance": [], "tokens_per_s": []}
 
     def batch_fn(position: int) -> dict:
-        return pipeline_batch(run, *step_batch(args, run, position, rank % args.ep))
+        return pipeline_batch(run, *step_batch(args, run, position, run.replica))
 
     while stepper.step_index < args.steps:
         stepper.pipeline.record_timeline = stepper.step_index == args.steps - 1
@@ -477,14 +579,14 @@ def train(args, run: RankSetup, stepper, rank: int, world: int, on_step=None, on
 
 
 def grad_hook_for(run: RankSetup):
-    """Runs once the step is known to be good, before ``optimizer.step()``: sum the replicated gradients
-    (mirrored stages, the MTP embedding copy, data-parallel replicas), then the balance-bias update
-    (a buffer the optimizer does not touch, so doing it here keeps each snapshot consistent)."""
+    """Runs once the step is known to be good, before ``optimizer.step()``: the balance-bias update from the
+    expert loads summed over every rank routing through each layer (a buffer the optimizer does not touch,
+    so doing it here keeps each snapshot consistent). The gradients need nothing: the pipeline's step
+    reduced them (mirrored stages, the MTP embedding copy, data- and expert-parallel replicas)."""
     mods = torch.nn.ModuleList(run.mods)
 
     def hook() -> None:
-        sync_replicas(run.mods, dist.group.WORLD)
-        sync_replicas(run.mods, dist.group.WORLD, what="load")
+        sync_expert_load(run.mods, run.dims)
         run.last_balance = max_violation(mods)
         update_expert_bias(mods)
 
@@ -497,6 +599,29 @@ def fault_record(event) -> dict:
             "cause": event.cause, "rewound_to": event.rewound_to, "skipped": event.skipped}
 
 
+def launch_tuple(args: argparse.Namespace) -> dict:
+    """The (pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute) tuple this run launched."""
+    return {"pp": args.pp, "dp": args.dp, "ep": args.ep, "tp": 1, "schedule": args.schedule,
+            "microbatches": args.num_mb, "dp_mode": args.dp_mode, "recompute": args.recompute}
+
+
+def activation_peaks(stepper, world: int) -> list[int | None]:
+    """Every rank's peak of saved-activation bytes in the last step, as the runtime recorded it (collective)."""
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, stepper.pipeline.peak_activation_bytes)
+    return everyone
+
+
+def optimizer_state_bytes(run: RankSetup, world: int) -> list[tuple[int, int]]:
+    """Every rank's (optimizer-state bytes, parameters) (collective). ZeRO-1 shards each weight's state over
+    all the ranks that reduce its gradient (its copies x replicas), so the ranks' bytes add up to one
+    model's state, where all-reduce keeps a full copy next to every parameter copy."""
+    everyone: list = [None] * world
+    own = sum(p.numel() for m in run.mods for p in m.parameters())
+    dist.all_gather_object(everyone, (int(run.opt.state_bytes()), own))
+    return everyone
+
+
 def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
     from mt_dualpipe.visualize.measured import compare_bubble
 
@@ -506,8 +631,13 @@ def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
         Path(args.timeline).write_text(tl.to_json(indent=1))
     steady = history["tokens_per_s"][1:] or history["tokens_per_s"]
     return {
-        "schedule": args.schedule, "ranks": args.ranks, "ep": args.ep, "steps": args.steps, "microbatches": args.num_mb,
-        "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "preset": args.preset,
+        "schedule": args.schedule, "ranks": args.pp, "pp": args.pp, "dp": args.dp, "ep": args.ep, "tp": 1,
+        "dp_mode": args.dp_mode, "steps": args.steps, "microbatches": args.num_mb,
+        "launch": launch_tuple(args),  # what `mt-dualpipe plan --json` calls "launch"
+        "micro_batch_size": args.micro_batch_size, "global_batch": args.global_batch, "seq_len": args.seq_len,
+        "preset": args.preset,
+        "optimizer_state_bytes_per_rank": [b for b, _ in history["optimizer_state_bytes"]],
+        "parameters_per_rank": [n for _, n in history["optimizer_state_bytes"]],
         "layout": layout_string(run.config, sched.num_stages(0), list(run.split.counts)),
         "modelled_cost_per_stage": list(run.split.stages), "modelled_cost_per_rank": list(run.split.ranks),
         "fp8": args.fp8, "fp8_backend": run.fp8_backend, "fp8_gemm": run.fp8_gemm,
@@ -519,7 +649,8 @@ def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
         "first_step": history["first_step"],
         "loss": history["loss"], "mtp_loss": history["mtp_loss"], "expert_load_max_violation": history["balance"],
         "tokens_per_s": sum(steady) / len(steady) if steady else None,
-        "recompute": args.recompute, "saved_activation_peak_bytes_rank0": run.pipe.activation_meter.peak,
+        "recompute": args.recompute, "activation_peak_bytes_per_rank": history["activation_peak_bytes"],
+        "step_time_s": args.global_batch * args.seq_len * len(steady) / sum(steady) if steady else None,
         "bubble_rate": bubble,
         "rewind": not args.no_rewind, "snapshot_every": None if args.no_rewind else args.snapshot_every,
         "from_pretrained": args.from_pretrained, "save_pretrained": args.save_pretrained,
@@ -536,8 +667,10 @@ def report(summary: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ep = f" x ep {summary['ep']}" if summary["ep"] > 1 else ""
-    t = Table(title=f"DeepSeek-V3 ({summary['preset']}) · {summary['schedule']} on {summary['ranks']}{ep} CPU ranks")
+    mesh = "".join(f" x {k} {summary[k]}" for k in ("dp", "ep") if summary[k] > 1)
+    mode = f" ({summary['dp_mode']})" if mesh and summary["dp_mode"] != "allreduce" else ""
+    t = Table(title=f"DeepSeek-V3 ({summary['preset']}) · {summary['schedule']} on {summary['pp']}{mesh} CPU "
+                    f"ranks{mode}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     first = f"step {summary['first_step']}" if summary["first_step"] else "first"
@@ -546,8 +679,11 @@ def report(summary: dict) -> None:
         t.add_row(f"MTP loss ({first} → last step)", f"{summary['mtp_loss'][0]:.3f} → {summary['mtp_loss'][-1]:.3f}")
         t.add_row("expert load max violation (last)", f"{summary['expert_load_max_violation'][-1]:.3f}")
         t.add_row("tokens/s", f"{summary['tokens_per_s']:.0f}")
-        t.add_row(f"saved activations peak, rank 0 (recompute {summary['recompute']})",
-                  f"{summary['saved_activation_peak_bytes_rank0'] / 2**20:.2f} MiB")
+        t.add_row(f"step time (recompute {summary['recompute']})", f"{summary['step_time_s']:.3f} s")
+        peaks = [p for p in summary["activation_peak_bytes_per_rank"] if p is not None]
+        if peaks:
+            t.add_row(f"saved activations peak per rank (recompute {summary['recompute']})",
+                      " ".join(f"{p / 2**20:.2f}" for p in peaks) + " MiB")
     val = summary["val_loss"]
     if val and val[0] is not None:
         t.add_row("validation loss (before → after)", f"{val[0]:.3f} → {val[1]:.3f}")
@@ -600,7 +736,7 @@ def progress_callbacks(args: argparse.Namespace, rank: int):
 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24), MofNCompleteColumn(),
                         TextColumn("{task.fields[stats]}"), TimeElapsedColumn())
-    where = f"{args.ranks} ranks" + (f" x ep {args.ep}" if args.ep > 1 else "")
+    where = f"{args.pp} ranks" + mesh_words(args)
     task = progress.add_task(f"{args.schedule} · {where}", total=args.steps, stats="")
 
     def on_step(step, h, stepper):
@@ -642,6 +778,8 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
             if progress is not None:
                 progress.stop()
         history["val_loss"] = [before, validation_loss(args, run, stepper.pipeline, rank, world)]
+        history["optimizer_state_bytes"] = optimizer_state_bytes(run, world)
+        history["activation_peak_bytes"] = activation_peaks(stepper, world)
         if args.save_pretrained:  # collective: each rank writes its stages' tensors, rank 0 the index
             from mt_dualpipe.integrations.deepseek_v3 import save_pipeline_checkpoint
 
@@ -667,14 +805,10 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: we are one of the ranks
-        world = int(os.environ["WORLD_SIZE"])
-        if world % args.ep:
-            raise SystemExit(f"torchrun started {world} processes, not a multiple of --ep {args.ep}")
-        args.ranks = world // args.ep
-        run_rank(int(os.environ["RANK"]), world, args, "env://")
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")  # parse_args set --pp
         return 0
     init = f"tcp://127.0.0.1:{_free_port()}"
-    world = args.ranks * args.ep
+    world = args.pp * args.dp * args.ep
     torch.multiprocessing.spawn(run_rank, args=(world, args, init), nprocs=world, join=True)
     return 0
 

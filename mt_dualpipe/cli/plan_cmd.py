@@ -28,8 +28,10 @@ def register(subparsers) -> None:
                     "print the best. The cluster is a model: nothing is launched. Every configuration says "
                     "whether the runtime can launch it (column 'run', JSON 'runnable' with the reasons and "
                     "'launch' with pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute in the runtime's "
-                    "terms): today it runs recompute none, selective and full, dp_mode allreduce (--zero 0) or zero1 "
-                    "(--zero 1), tp 1. Unrunnable ones are marked, not hidden, unless --runnable-only.")
+                    "terms, and 'command', a command line running that layout in miniature in "
+                    "examples/deepseek_v3_repro.py): today it runs recompute none, selective and full, dp_mode "
+                    "allreduce (--zero 0) or zero1 (--zero 1), tp 1. Unrunnable ones are marked, not hidden, unless "
+                    "--runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
                    "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
                    "an error)")
@@ -114,9 +116,30 @@ def strategy_options(path: str | None) -> dict:
     return out
 
 
+def with_commands(data: dict) -> dict:
+    """The plan's JSON with ``"command"`` next to every configuration's ``"launch"``: the demo's command line
+    for a runnable one (``planner.runnable.demo_command``), None for one the runtime cannot launch."""
+    from ..planner.runnable import demo_command
+
+    entries = data["configurations"] + data["over_memory"] + ([data["reference"]] if data.get("reference") else [])
+    for entry in entries:
+        entry["command"] = demo_command(entry["launch"]) if entry["runnable"] else None
+    return data
+
+
+def best_command(result) -> str | None:
+    """The demo command of the fastest runnable configuration that fits, if any."""
+    from ..planner.runnable import demo_command, launch
+
+    for est in result.ranked:
+        if est.runnable:
+            return demo_command(launch(est.strategy))
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..planner import ModelSpec, plan
-    from ..planner.report import print_plan, write_json
+    from ..planner.report import print_plan
 
     model = ModelSpec.load(args.model)
     system = _system(args)
@@ -140,6 +163,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto, runnable_only=args.runnable_only,
                   **options)
     print_plan(result, args.top)
+    command = best_command(result)
+    if command:
+        print(f"launch the best runnable layout in miniature (tiny DeepSeek-V3, local gloo processes):\n  {command}")
     if args.json_path:
-        write_json(result, args.json_path, max(args.top, 20))
+        with open(args.json_path, "w") as fh:
+            json.dump(with_commands(result.to_dict(max(args.top, 20))), fh, indent=2)
+            fh.write("\n")
     return 0 if result.ranked else 1

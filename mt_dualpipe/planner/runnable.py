@@ -13,6 +13,12 @@ launched. When the runtime gains a knob, widen the tuple here: nothing else need
 planner counts data parallelism Megatron's way (its ``dp`` includes the expert-parallel ranks),
 the mesh counts full-model replicas, so ``launch["dp"] = strategy.dp // strategy.ep`` and
 ``pp * dp * ep * tp`` is the GPU count (``parallel/mesh.py`` explains both conventions).
+
+``demo_command(launch)`` turns that tuple into a command line for ``examples/deepseek_v3_repro.py``
+(``--pp --dp --ep --dp-mode --schedule --microbatches --recompute``): the planned layout in
+miniature, the tiny DeepSeek-V3 preset on local gloo processes (``mt-dualpipe plan`` prints it for
+the best runnable row and puts it in the JSON). Tensor parallelism is refused for MoE models: the
+runtime's tensor-parallel stages are dense ones (the DeepSeek-V3 stages shard experts over ep only).
 """
 
 from __future__ import annotations
@@ -47,6 +53,28 @@ def launch(strategy: Strategy) -> dict:
             "schedule_options": schedule_options(strategy), "micro_batch_size": strategy.micro_batch_size}
 
 
+DEMO = "examples/deepseek_v3_repro.py"
+"""The demo ``demo_command`` launches (the DeepSeek-V3 miniature)."""
+
+
+def demo_command(launch: dict, python: str = "python") -> str | None:
+    """The demo's command line for a ``launch`` tuple, or None when the demo cannot take one of its knobs
+    (tensor parallelism, or schedule options other than interleaved-1f1b's virtual stages, such as a
+    searched ``auto`` schedule's placement)."""
+    options = dict(launch.get("schedule_options") or {})
+    virtual = options.pop("virtual_stages", None)
+    if launch["tp"] != 1 or options:
+        return None
+    words = [python, DEMO, "--pp", launch["pp"], "--dp", launch["dp"], "--ep", launch["ep"],
+             "--dp-mode", launch["dp_mode"], "--schedule", launch["schedule"],
+             "--microbatches", launch["microbatches"], "--recompute", launch["recompute"]]
+    if virtual is not None:
+        words += ["--virtual-stages", virtual]
+    if launch.get("micro_batch_size"):
+        words += ["--micro-batch-size", launch["micro_batch_size"]]
+    return " ".join(str(w) for w in words)
+
+
 def unrunnable_reasons(strategy: Strategy) -> list[str]:
     """Why the runtime cannot launch ``strategy`` (empty when it can)."""
     out = []
@@ -56,6 +84,9 @@ def unrunnable_reasons(strategy: Strategy) -> list[str]:
     tp = getattr(strategy, "tp", 1)  # the planner models tp = 1; a strategy that carries a tp is checked
     if tp not in RUNTIME_TP:
         out.append(f"tp {tp} is not launched by the runtime (runnable: {', '.join(map(str, RUNTIME_TP))})")
+    elif tp > 1 and getattr(strategy, "ep", 1) > 1:
+        out.append(f"tp {tp} with expert parallelism is not launched: tensor-parallel stages are dense only (MoE "
+                   "stages shard experts over ep, not tp)")
     if dp_mode(strategy) not in RUNTIME_DP_MODES:
         out.append(f"dp_mode {dp_mode(strategy)!r} is not run by the runtime (runnable: {', '.join(RUNTIME_DP_MODES)})")
     return out

@@ -161,7 +161,7 @@ def test_save_pretrained_then_fine_tune_from_it(tmp_path):
     assert loaded == {k: v for k, v in first["config"].items() if k != "hf_extra"}
     model = DeepSeekV3Model.from_pretrained(ckpt)
     example = _example_module()
-    args = SimpleNamespace(seed=0, ep=1, micro_batch_size=1, seq_len=16, num_mb=tuned["microbatches"])
+    args = SimpleNamespace(seed=0, dp=1, ep=1, micro_batch_size=1, seq_len=16, num_mb=tuned["microbatches"])
     x, y = example.step_batch(args, SimpleNamespace(data=None, config=model.config), 0, 0)
     with torch.no_grad():
         want = sum(float(model.losses(model.hidden(xm), ym).main)

@@ -1,18 +1,23 @@
 """DeepSeek-V3 for mt_dualpipe: the model (MLA, DeepSeekMoE, MTP), its pipeline stages, expert
 parallelism over all-to-all, and the overlapped forward/backward DualPipe pairs with.
 
-On each rank (see ``examples/deepseek_v3_repro.py`` for the whole loop)::
+On each rank of a pp x dp x ep mesh (see ``examples/deepseek_v3_repro.py`` for the whole loop)::
 
+    dims = init_parallel(pp=P, dp=D, ep=E)             # mt_dualpipe.parallel
     config = DeepSeekV3Config.preset("tiny")
     torch.manual_seed(0)
     full = DeepSeekV3Model(config)                     # the single-process reference
     sched = build_schedule("dualpipe", P, M)
-    mods = stages_for_rank(config, sched, rank, source=full)   # (stage r, stage P-1-r)
-    pipe = DualPipe(tuple(mods))
+    mods = stages_for_rank(config, sched, dims.coord("pp"), source=full, mesh=dims)   # experts over dims' ep
+    pipe = DualPipe(tuple(mods), mesh=dims, dp_mode="zero1", dp_batch="local")
+    opt = pipe.build_optimizer(lambda params: torch.optim.AdamW(params, lr=3e-3))
     loss, _ = pipe.step(tokens, num_chunks=M, criterion=criterion_for(mods), labels=(labels,))
-    sync_replicas(mods, dist.group.WORLD)              # mirrored copies + the MTP embedding copy
-    opt.step(); opt.zero_grad()
-    sync_replicas(mods, dist.group.WORLD, what="load"); update_expert_bias(nn.ModuleList(mods))
+    opt.step(); opt.zero_grad()        # the step already summed mirrored copies, the tied embedding, replicas
+    sync_expert_load(mods, dims); update_expert_bias(nn.ModuleList(mods))
+
+Routed experts are weight kind "expert" (reduced over dp only), the rest "dense" (over dp x ep);
+stages holding the embedding declare it in ``tied_parameters`` (the MTP modules share it).
+``sync_replicas(mods, group)`` sums copies by name, for loops that run stages without a ``Pipeline``.
 
 Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3Config.from_hf(path)``,
 ``DeepSeekV3Model.from_pretrained(path)`` / ``save_pretrained(path)``, per-stage
@@ -21,8 +26,9 @@ Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3
 
 from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
 from .config import DeepSeekV3Config, YarnScaling
-from .model import Block, DeepSeekV3Model, LossParts, MTPModule, language_model_losses
-from .moe import MoE, dropped_fraction, max_violation, set_aux_loss_scale, update_expert_bias
+from .expert_parallel import fresh_mesh_group, mesh_ep_group
+from .model import Block, DeepSeekV3Model, LossParts, MTPModule, expert_load_names, language_model_losses
+from .moe import MoE, dropped_fraction, mark_expert_weights, max_violation, set_aux_loss_scale, update_expert_bias
 from .stages import (
     DeepSeekV3Stage,
     build_stages,
@@ -31,6 +37,7 @@ from .stages import (
     parse_layout,
     stage_layer_ids,
     stages_for_rank,
+    sync_expert_load,
     sync_replicas,
     v_stage_ids,
 )
@@ -39,8 +46,9 @@ overlapped_forward_backward = DeepSeekV3Stage.overlapped_forward_backward
 
 __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
-    "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "language_model_losses", "max_violation",
+    "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
+    "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
     "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "stage_layer_ids", "stages_for_rank",
-    "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint", "CheckpointError", "YarnScaling",
-    "save_pipeline_checkpoint",
+    "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint", "CheckpointError",
+    "YarnScaling", "save_pipeline_checkpoint",
 ]

@@ -66,6 +66,29 @@ def set_ep_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
     return len(layers)
 
 
+def mesh_ep_group(dims: Any) -> dist.ProcessGroup | None:
+    """The expert-parallel group MoE layers take from a mesh (``parallel.ParallelDims``): ``dims.group("ep")``,
+    or None when ``ep`` is 1 (the experts are then all local and no all-to-all is posted)."""
+    return dims.group("ep") if dims.ep > 1 else None
+
+
+def fresh_mesh_group(dims: Any, dim: str) -> dist.ProcessGroup:
+    """A new process group over the same ranks as ``dims.group(dim)`` (e.g. after a timed-out all-to-all left
+    the old one out of step on gloo). Collective: ``new_group`` must be called by every rank for every group,
+    in the same order, so each rank creates the groups along ``dim`` through every mesh coordinate and
+    keeps its own."""
+    axis = dims.mesh.mesh_dim_names.index(dim)
+    grid = dims.mesh.mesh.movedim(axis, -1).reshape(-1, dims.mesh.mesh.shape[axis])
+    me, mine = dist.get_rank(), None
+    for ranks in grid.tolist():
+        group = dist.new_group([int(r) for r in ranks])
+        if me in ranks:
+            mine = group
+    if mine is None:  # pragma: no cover - every rank of the mesh lies on one line along each dim
+        raise RuntimeError(f"rank {me} is not in the mesh {dims.mesh}")
+    return mine
+
+
 def ep_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

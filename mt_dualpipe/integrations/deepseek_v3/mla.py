@@ -112,17 +112,33 @@ class MLA(nn.Module):
         self.softmax_scale = c.softmax_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.core(*self.project(x)))
+        return self.wo(self.attend(*self.latents(x)))
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (normed) -> the down projections' outputs: the query latent (``wq_a``'s output; x itself
+        without ``q_lora_rank``) and ``wkv_a``'s output (the kv latent and the shared rotary key, one
+        buffer). They are what the ``"selective"`` recompute policy keeps of the projections."""
+        return (self.wq_a(x) if hasattr(self, "wq_a") else x), self.wkv_a(x)
+
+    def attend(self, q_latent: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The latents -> the attention output before ``wo``: the up-projections (``expand``) and the
+        core. This is the region ``"selective"`` recomputes in backward (DeepSeek-V3 report §3.2.3): the
+        latents are kept, q, k, v and the core's probabilities are rebuilt from them in B."""
+        return self.core(*self.expand(q_latent, kv))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x -> per-head q, k (RoPE applied) and v: the down/up projections and their RMSNorms (what the
-        ``"selective"`` recompute policy recomputes in backward)."""
-        bsz, seq, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        """x -> per-head q, k (RoPE applied) and v: ``expand`` of ``latents``."""
+        return self.expand(*self.latents(x))
+
+    def expand(self, q_latent: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections: q and kv latents -> per-head q, k (RoPE applied) and v, with the latents'
+        RMSNorms and RoPE of the rotary parts."""
+        bsz, seq, _ = kv.shape
+        q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_a") else self.wq(q_latent)
         q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
-        latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        cdt = compute_dtype(x)
-        cos, sin = rope_angles(seq, self.rope, self.theta, x.device, cdt, self.yarn)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        cdt = compute_dtype(kv)
+        cos, sin = rope_angles(seq, self.rope, self.theta, kv.device, cdt, self.yarn)
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, self.interleave)  # one rotary key for all heads
         k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)

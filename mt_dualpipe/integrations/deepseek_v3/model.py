@@ -38,11 +38,7 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoE)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn.wo(self.attn.core(*self.normed_qkv(x)))
-
-    def normed_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """RMSNorm, then MLA's projections: the region the ``"selective"`` recompute policy recomputes."""
-        return self.attn.project(self.attn_norm(x))
+        return x + self.attn(self.attn_norm(x))  # "selective" recomputes MLA.attend (mla.py) in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attention(x)
@@ -207,3 +203,13 @@ class DeepSeekV3Model(nn.Module):
             raise ValueError(f"part must be 'main' or 'mtp', got {part!r}")
         mtp = sum(p.numel() for p in self.mtp.parameters())
         return mtp if part == "mtp" else sum(p.numel() for p in self.parameters()) - mtp
+
+
+def expert_load_names(config: DeepSeekV3Config) -> list[str]:
+    """The routed-token count buffer (``gate.load``) of every MoE layer of the full model, main blocks then
+    MTP blocks: the names every stage shares with ``DeepSeekV3Model``, so ranks holding different stages
+    can lay their counts out in one agreed order (``stages.sync_expert_load``)."""
+    names = [f"layers.{i}.ffn.gate.load" for i in range(config.n_layers) if config.is_moe_layer(i)]
+    names += [f"mtp.{k - 1}.block.ffn.gate.load" for k in range(1, config.mtp_depth + 1)
+              if config.is_moe_layer(config.n_layers + k - 1)]
+    return names

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.weight_kinds import set_weight_kind
 from ..balancing import batch_balance_loss, bias_update, capacity_keep, device_limited_mask, sequence_balance_loss
 from ..fp8.linear import FP8Linear
 from ..fp8.quantize import quantize_tiles
@@ -167,6 +168,7 @@ class MoE(nn.Module):
         # Keys are global expert ids, so a shard's state dict is a subset of the full model's.
         self.experts = nn.ModuleDict({str(i): MLP(config.dim, config.moe_inter_dim)
                                       for i in range(self.first_expert, self.first_expert + local)})
+        set_weight_kind(self.experts, "expert")  # sharded over ep: gradients reduce over dp only
         self.shared_experts = MLP(config.dim, config.n_shared_experts * config.moe_inter_dim) \
             if config.n_shared_experts else None
         self.balance_loss_sum = 0.0  # detached sum of the balance loss values seen since the last reset
@@ -245,12 +247,25 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def mark_expert_weights(module: nn.Module | Sequence[nn.Module]) -> int:
+    """Mark the routed-expert parameters of every MoE layer under ``module`` as weight kind "expert"
+    (``mt_dualpipe.parallel.set_weight_kind``), whatever the EP size: the pipeline then reduces their
+    gradients over the expert-data-parallel group (dp) instead of dp x ep. ``MoE.__init__`` marks its
+    own; call this again after anything that replaces Parameter objects (loading a checkpoint onto
+    the meta device, FP8 conversion). Returns the parameters marked."""
+    mods = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    params = [p for m in moe_layers(mods) for p in m.experts.parameters()]
+    set_weight_kind(params, "expert")
+    return len(params)
+
+
 @torch.no_grad()
 def update_expert_bias(module: nn.Module, speed: float | None = None) -> None:
     """Auxiliary-loss-free balancing: b_i += γ·sign(mean load − load_i), then reset the counts.
 
     Call after the optimizer step, once the loads of every replica of a layer have been summed
-    (``sync_replicas(..., what="load")``), so all replicas move their bias identically.
+    (``stages.sync_expert_load`` on a mesh, ``sync_replicas(..., what="load")`` without one), so all
+    replicas move their bias identically.
     """
     for moe in moe_layers(module):
         gate = moe.gate

@@ -1,9 +1,17 @@
 """DeepSeek-V3 cut into pipeline stages, and which stages each rank runs.
 
 A stage holds a contiguous run of blocks; the first also holds the embedding, the last the final
-norm, the output head and the MTP modules (plus its own copy of the embedding, which MTP shares:
-``sync_replicas`` sums the copies' gradients, as it sums DualPipe's mirrored stage copies).
+norm, the output head and the MTP modules (plus its own copy of the embedding, which MTP shares).
 Parameter names are the full model's, so ``load_from`` copies weights by key.
+
+Replicas of one weight, and who sums them: a stage that holds the embedding declares
+``tied_parameters = ("embed.weight",)``; any ``Pipeline`` over these stages then sums every copy of
+that weight (first and last stage, on any rank) and DualPipe's mirrored stage copies once per
+step, and with ``mesh=`` also averages the data/expert-parallel replicas in the same pass (routed
+experts are weight kind "expert": reduced over dp only, ``moe.mark_expert_weights``).
+``sync_expert_load`` sums the routed-token counts the auxiliary-loss-free bias update reads, over
+every rank that routes tokens through a layer. ``sync_replicas`` is the older by-name sum, for
+loops that run stage modules without a ``Pipeline``.
 
 The runtime contract: ``stage(*inputs)`` takes the previous stage's outputs (token ids on the
 first stage) and returns the hidden states; the last stage's ``criterion(hidden, labels)`` returns
@@ -30,7 +38,17 @@ from ...schedules.placements import make_placement
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .mla import RMSNorm
-from .model import Block, DeepSeekV3Model, LossParts, MTPModule, deferred_init, init_weights, language_model_losses
+from .model import (
+    Block,
+    DeepSeekV3Model,
+    LossParts,
+    MTPModule,
+    deferred_init,
+    expert_load_names,
+    init_weights,
+    language_model_losses,
+)
+from .moe import mark_expert_weights
 from .overlap import CaptureSlot, Steps, Tape, backward_side, drive, interleave, seal
 from .stage_balance import balanced_layout
 
@@ -107,6 +125,9 @@ class DeepSeekV3Stage(nn.Module):
         init_weights(self, config.init_std)
         if defer_weight_grads:
             _defer_weight_grads(self)
+        # The MTP modules read the main embedding: the first and the last stage each hold a copy of that one
+        # weight (the pipeline sums their gradients). The head lives on the last stage only: nothing else is tied.
+        self.tied_parameters: tuple[str, ...] = ("embed.weight",) if hasattr(self, "embed") else ()
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
@@ -251,6 +272,7 @@ def _recomputed(stage: DeepSeekV3Stage, policy: str) -> DeepSeekV3Stage:
     from ..recompute import apply_recompute
 
     apply_recompute(stage, policy)
+    mark_expert_weights(stage)  # again: checkpoint loading and FP8 conversion may have made new Parameters
     return stage
 
 
@@ -273,12 +295,23 @@ def _check_rank(rank: int, num_ranks: int) -> None:
 
 def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: Sequence[int] | str | None = None,
                     *, source: DeepSeekV3Model | None = None,
-                    ep_group: dist.ProcessGroup | None = None,
+                    ep_group: dist.ProcessGroup | None = None, mesh: Any = None,
                     defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False,
                     recompute: str = "none") -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
-    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)."""
+    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost).
+    ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
+    (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
+    if mesh is not None:
+        from .expert_parallel import mesh_ep_group
+
+        if ep_group is not None:
+            raise ValueError("give stages_for_rank mesh= (the experts then shard over its ep group) or ep_group=, "
+                             "not both")
+        if rank != mesh.coord("pp"):
+            raise ValueError(f"rank {rank} is not this process's pipeline rank on the mesh ({mesh.coord('pp')})")
+        ep_group = mesh_ep_group(mesh)
     num_stages = schedule.num_stages(0)
     if layout is None:
         layout = balanced_layout(config, schedule.placement)
@@ -313,8 +346,45 @@ def _local_tensors(modules: Sequence[nn.Module], what: str) -> dict[str, list[to
 
 
 @torch.no_grad()
+def sync_expert_load(modules: Sequence[nn.Module], dims: Any = None) -> None:
+    """Sum each MoE layer's routed-token counts (``gate.load``) over every rank that routes tokens through it.
+
+    Those are the layer's copies on this rank, its DualPipe mirror and its data- and expert-parallel
+    replicas: all ranks of the mesh holding the layer. One ``all_reduce`` over the world of a
+    (MoE layers x experts) buffer laid out by ``expert_load_names`` (ranks without a layer add
+    zeros) gives exactly that sum on every holder, whatever the schedule's placement, with no
+    group to build or rebuild. ``dims`` (``parallel.ParallelDims``): the mesh; its tensor-parallel
+    ranks route the same tokens, so the sum is divided by ``tp``. Without ``dims`` (or without an
+    initialised process group) only this rank's copies are summed. Collective: every rank calls it,
+    before ``update_expert_bias`` (so every replica moves its bias identically).
+    """
+    modules = list(modules)
+    if not modules:
+        raise ValueError("sync_expert_load needs this rank's stage modules, got none")
+    names = expert_load_names(modules[0].config)
+    index = {n: i for i, n in enumerate(names)}
+    local = [(index[n], b) for m in modules for n, b in m.named_buffers() if n in index]
+    width = modules[0].config.n_routed_experts
+    device = next(modules[0].parameters()).device  # nccl reduces device tensors; every rank's stage has weights
+    flat = torch.zeros(len(names), width, dtype=local[0][1].dtype if local else torch.float32, device=device)
+    for i, b in local:
+        flat[i] += b
+    if dims is not None and dist.is_initialized():
+        dist.all_reduce(flat)
+        flat /= dims.tp
+    for i, b in local:
+        b.copy_(flat[i])
+
+
+@torch.no_grad()
 def sync_replicas(modules: Sequence[nn.Module], group: dist.ProcessGroup | None = None, what: str = "grads") -> None:
     """Sum every tensor over all copies of the same parameter name, on this rank and across ``group``.
+
+    Deprecated for gradients after a ``Pipeline`` step: the stages declare ``tied_parameters``, so
+    any ``Pipeline`` (mesh or not) sums the tied embedding's copies and DualPipe's mirrored copies
+    in its step (and, with ``mesh=``, the data/expert-parallel replicas); summing again here would
+    count them twice. ``what="grads"`` is for loops that run stage modules without a ``Pipeline``;
+    ``what="load"`` for a loop without a mesh (with one, ``sync_expert_load``).
 
     ``what="grads"`` after backward (DualPipe's mirrored stages, the MTP embedding copy, data- and
     expert-parallel replicas); ``what="load"`` before ``update_expert_bias``. Without a process

@@ -1,0 +1,110 @@
+"""Planner -> runtime: the launch tuple becomes the DeepSeek-V3 demo's command line, and that command line
+parses back into the same tuple; what the demo or runtime cannot run gets no command (or is marked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mt_dualpipe.cli import main
+from mt_dualpipe.planner import runnable as runnable_module
+from mt_dualpipe.planner.runnable import DEMO, demo_command, unrunnable_reasons
+
+ROOT = Path(__file__).resolve().parents[2]
+TUPLE = ("pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute")
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("deepseek_v3_repro_plan", ROOT / DEMO)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launch(**kw) -> dict:
+    base = {"pp": 16, "dp": 2, "ep": 64, "tp": 1, "schedule": "dualpipe", "microbatches": 120, "dp_mode": "zero1",
+            "recompute": "selective", "schedule_options": {}, "micro_batch_size": 1}
+    return {**base, **kw}
+
+
+def test_demo_command_spells_every_knob():
+    assert demo_command(_launch()) == (
+        "python examples/deepseek_v3_repro.py --pp 16 --dp 2 --ep 64 --dp-mode zero1 --schedule dualpipe "
+        "--microbatches 120 --recompute selective --micro-batch-size 1")
+    inter = demo_command(_launch(schedule="interleaved-1f1b", schedule_options={"virtual_stages": 3},
+                                 dp_mode="allreduce"))
+    assert "--schedule interleaved-1f1b" in inter and inter.endswith("--virtual-stages 3 --micro-batch-size 1")
+    # what the demo cannot take: a searched schedule's placement, tensor parallelism
+    assert demo_command(_launch(schedule="auto", schedule_options={"placement": "v"})) is None
+    assert demo_command(_launch(tp=2)) is None
+
+
+def test_the_command_parses_back_into_the_launch_tuple():
+    demo = _demo()
+    for launch in (_launch(ep=16), _launch(pp=4, dp=1, ep=8, schedule="zbv", microbatches=16, dp_mode="allreduce",
+                                      recompute="full")):
+        words = shlex.split(demo_command(launch))
+        assert words[:2] == ["python", DEMO]
+        args = demo.parse_args(words[2:])
+        args.num_mb = args.microbatches
+        assert demo.launch_tuple(args) == {k: launch[k] for k in TUPLE}
+
+
+def test_tensor_parallel_moe_stays_unrunnable_when_dense_tp_runs(monkeypatch):
+    @dataclass(frozen=True)
+    class WithTp:
+        tp: int
+        ep: int
+        recompute: str = "none"
+        zero: int = 1
+
+    monkeypatch.setattr(runnable_module, "RUNTIME_TP", (1, 2))  # dense tensor-parallel stages run
+    assert unrunnable_reasons(WithTp(2, 1)) == []
+    assert unrunnable_reasons(WithTp(2, 8)) == [
+        "tp 2 with expert parallelism is not launched: tensor-parallel stages are dense only (MoE stages shard "
+        "experts over ep, not tp)"]
+
+
+def _plan(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "512", "--global-batch", "1024", "--pp", "16",
+               "--gpu-memory", "256GB", "--dtype", "fp8", "--schedules", "dualpipe,zbv", "--top", "3",
+               "--json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_plan_json_carries_the_command_of_each_runnable_configuration(tmp_path, capsys):
+    data = _plan(tmp_path)
+    rows = data["configurations"] + data["over_memory"]
+    assert rows and all(r["runnable"] for r in rows)
+    for row in rows:
+        assert row["command"] == demo_command(row["launch"])
+        assert f"--pp {row['pp']} --dp {row['dp'] // row['ep']} --ep {row['ep']} " in row["command"]
+    best = data["configurations"][0]["command"]
+    assert f"launch the best runnable layout in miniature (tiny DeepSeek-V3, local gloo processes):\n  {best}\n" \
+           in capsys.readouterr().out
+
+
+def test_plan_json_gives_no_command_to_what_the_runtime_cannot_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runnable_module, "RUNTIME_RECOMPUTE", ("none",))
+    data = _plan(tmp_path, "--recompute", "selective")
+    rows = data["configurations"] + data["over_memory"]
+    assert rows and all(not r["runnable"] and r["command"] is None for r in rows)
+    assert "launch the best runnable layout" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("knob", ["dp_mode", "recompute"])
+def test_every_runtime_value_is_a_demo_choice(knob):
+    demo = _demo()
+    values = runnable_module.RUNTIME_DP_MODES if knob == "dp_mode" else runnable_module.RUNTIME_RECOMPUTE
+    for value in values:
+        args = demo.parse_args([f"--{knob.replace('_', '-')}", value])
+        assert getattr(args, knob) == value
