@@ -1,36 +1,46 @@
 """Activation recompute policies applied to pipeline stages when they are built.
 
 ``"none"`` keeps every activation autograd saves. ``"selective"`` recomputes the cheap, memory-heavy
-pieces in backward: for DeepSeek-V3 the attention RMSNorm and MLA's down/up projections with their
-norms and RoPE (``Block.normed_qkv``: only the block input and the q/k/v that the attention core
-needs are kept; report §3.2.3), for Llama the core attention (``LlamaAttention.core``: QKᵀ, softmax,
-·V — its S×S probabilities dominate) and the SwiGLU product (``LlamaMLP.act``), as Megatron's
-selective recompute does. ``"full"`` keeps only each layer's input: the whole layer is recomputed
-(DeepSeek-V3 MoE layers: the attention sublayer and every expert and shared expert; the router and
-the dispatch/combine all-to-alls are never re-run, since they count loads and talk to other ranks).
+pieces in backward. For DeepSeek-V3 that is MLA from its latents (``MLA.attend``: the q/kv latents'
+RMSNorms, the up-projections ``wq_b`` / ``wkv_b``, RoPE and the core attention), the production
+choice of the report (§3.2.3): per layer, the attention keeps its input and ``attn_norm``'s
+statistics, the normed input (the down-projections' input, needed for their weight gradients), the
+two latents (``wq_a``'s output and ``wkv_a``'s kv latent + rotary key) and the core's output (``wo``'s
+input) — not q, k, v (n_heads x (2 qk_head_dim + v_head_dim) per token) nor the probabilities; the
+FFN / MoE keeps what it keeps under ``"none"``. For Llama it recomputes the core attention
+(``LlamaAttention.core``: QKᵀ, softmax, ·V — its S×S probabilities dominate) and the SwiGLU product
+(``LlamaMLP.act``), as Megatron's selective recompute does. ``"full"`` keeps only each layer's input:
+the whole layer is recomputed (DeepSeek-V3 MoE layers: the attention sublayer and every expert and
+shared expert; the router and the dispatch/combine all-to-alls are never re-run, since they count
+loads and talk to other ranks).
 
 Each region runs under ``torch.utils.checkpoint(use_reentrant=False)``: the forward stores only the
 region's inputs, and the first backward node that unpacks a saved tensor of the region recomputes
 it — once, inside B. With the zero-bubble split the ``DeferredLinear`` / ``FP8Linear`` backward of
 B unpacks its input there and hands it to the queued weight-gradient closure, so W reuses the
-tensor B recomputed and never recomputes (those tensors then live from B until W). The policy is
-applied by replacing the bound method on the instance: parameter names, state dicts and the
-single-process reference stay unchanged, and every call path (plain forward, the tape of the
-overlapped F&B) goes through it. ``recompute_calls`` counts how often each region ran (forward +
-recompute), which is how the tests check "once in B, never in W".
+tensor B recomputed and never recomputes (those tensors then live from B until W; while the
+runtime records activation bytes, ``runtime.activation_bytes``, the recompute reports them to it
+so they are counted until W frees them). The policy is applied by replacing the bound method on the
+instance: parameter names, state dicts and the single-process reference stay unchanged, and every
+call path (plain forward, the tape of the overlapped F&B) goes through it. ``recompute_calls``
+counts how often each region ran (forward + recompute), which is how the tests check "once in B,
+never in W".
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.checkpoint import checkpoint
+
+from ..runtime.activation_bytes import ActivationBytes
 
 POLICIES = ("none", "selective", "full")
 
@@ -54,9 +64,37 @@ def recompute_method(module: nn.Module, name: str, counts: Counter | None = None
     def region(*args: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args)  # inference: nothing is saved, nothing to recompute
-        return checkpoint(counted, *args, use_reentrant=False)
+        return checkpoint(counted, *args, use_reentrant=False, context_fn=_contexts)
 
     setattr(module, name, region)
+
+
+def _contexts() -> tuple[Any, Any]:
+    """(forward, recompute) contexts of a region: the recompute reports the tensors W will keep."""
+    return nullcontext(), _KeptForW()
+
+
+class _KeptForW:
+    """While a region recomputes in B with the runtime recording activation bytes: the inputs of the
+    layers that defer their weight gradient to W (``supports_deferred_weight_grad``) are what the
+    queued W keeps from the recompute, so they are handed to the recorder, which counts each storage
+    until it is freed (at W, or at once when B computed the weight gradient itself)."""
+
+    def __enter__(self) -> None:
+        recorder = ActivationBytes.active()
+        self.handle = None if recorder is None else register_module_forward_pre_hook(
+            lambda module, args: _track_inputs(recorder, module, args))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _track_inputs(recorder: ActivationBytes, module: nn.Module, args: tuple) -> None:
+    if getattr(type(module), "supports_deferred_weight_grad", False):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                recorder.recomputed(a)
 
 
 def _deepseek_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -65,7 +103,7 @@ def _deepseek_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module
 
     for block in (m for m in stage.modules() if isinstance(m, Block)):
         if policy == "selective":
-            yield block, "normed_qkv", "normed_qkv"
+            yield block.attn, "attend", "latent_attention"
         elif not isinstance(block.ffn, MoE):
             yield block, "forward", "block"
         else:
@@ -112,12 +150,15 @@ class SavedActivationMeter:
     them until the graph releases the last saved view. Tensors saved inside a recompute region are not
     saved (the region keeps only its inputs), which is exactly the saving the policies buy; tensors a
     region recomputes in B are transient and are not counted (the ones a deferred W keeps live until W).
+    ``exclude``: tensors (e.g. the model's parameters) whose storages are not activations and are
+    not counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self.live = self.peak = 0
         self._refs: dict[int, int] = {}
         self._bytes: dict[int, int] = {}
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
 
     def _release(self, key: int) -> None:
         self._refs[key] -= 1
@@ -128,6 +169,8 @@ class SavedActivationMeter:
     def _pack(self, t: torch.Tensor) -> Any:
         storage = t.untyped_storage()
         key = storage.data_ptr()
+        if key in self._excluded:
+            return t
         if key not in self._refs:
             self._refs[key] = 0
             self._bytes[key] = storage.nbytes()
@@ -140,7 +183,7 @@ class SavedActivationMeter:
 
     @staticmethod
     def _unpack(box: Any) -> torch.Tensor:
-        return box.tensor
+        return box if isinstance(box, torch.Tensor) else box.tensor
 
     @contextmanager
     def measure(self) -> Iterator[SavedActivationMeter]:

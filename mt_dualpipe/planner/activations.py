@@ -4,10 +4,16 @@ Counted tensor by tensor from what the integrations' modules hand autograd (``in
 deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies are applied by
 ``integrations/recompute.py``), so the estimate follows the code rather than a fitted constant:
 
-- **RMSNorm** (``F.rms_norm`` decomposed): its input, the normalised input (for the weight's
-  gradient) and the per-row reciprocal RMS (compute dtype); its output is saved by the linear(s)
-  that read it, as a *linear input*.
-- **Linear inputs** are cached in ``lin`` bytes (the model dtype, 1 with FP8 caching).
+- **RMSNorm** (``F.rms_norm`` decomposed, in the compute dtype): its input upcast to float32 (the
+  input itself in a float32 model, a new copy otherwise), the normalised input (for the weight's
+  gradient) and the per-row reciprocal RMS; its output (cast back to the model dtype) is saved by
+  the linear(s) that read it, as a *linear input*.
+- **Linear inputs** are cached in ``lin`` bytes (the model dtype; with FP8 caching ``FP8_LIN``: the
+  E4M3 copy ``FP8Linear`` keeps for dW plus one float32 scale per 1×128 tile). An FP8 linear
+  quantises its own input, so an input read by several FP8 linears is stored once per reader (MLA's
+  q and kv down-projections, Llama's q/k/v and gate/up), except where the module quantises it once
+  for both (DeepSeek's SwiGLU ``MLP``: w1 and w3 share one copy). The output head and the router are
+  not converted to FP8 (``convert_to_fp8``'s skip list): their inputs stay in the model dtype.
 - **Core attention**: the two einsum operands (q and k, or Llama's q and the group-repeated k), the
   softmax probabilities in the compute dtype (float32; a model-dtype copy as well when the model is
   not float32), the repeated/contiguous v, and the causal mask (one bool per key per sequence).
@@ -16,26 +22,31 @@ deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies 
   latents' norms and the up-projections' inputs.
 - **SwiGLU** (dense FFN, each expert, shared experts): the gate and up products and silu(gate)
   (model dtype), and the down-projection's input.
-- **MoE routing** (never recomputed): the router input in the compute dtype, the affinities, the
+- **MoE routing** (never recomputed): the router input in the compute dtype (and, in a model that is
+  not float32, the router weight's float32 copy, once per micro-batch), the affinities, the
   chosen ids and gate weights, the normalisation's sum, the balance loss's per-token terms, the
   gather index of the dispatch, the dispatched rows (the experts' inputs, one buffer), and for the
   combine the unsort index, the weights and the gathered expert outputs.
 
-Recompute policies: ``"selective"`` for MLA (DeepSeek-V3) recomputes the attention RMSNorm and
-MLA's projections (``Block.normed_qkv``): only its input and the q/k/v the attention core reads
-stay; for other attention (Llama) it recomputes the core attention and the SwiGLU product, keeping
-their inputs (q, k, v at their own head counts; gate and up). ``"full"`` keeps each recomputed
-region's input: a dense layer keeps its input only; a MoE layer keeps the attention sublayer's
-input, and its router, dispatch and combine still save what they save (they are never re-run),
-while the experts keep only the dispatched rows.
+Recompute policies: ``"selective"`` for MLA (DeepSeek-V3) recomputes MLA from its latents
+(``MLA.attend``: the latents' RMSNorms, the up-projections, RoPE and the core attention; report
+§3.2.3): the attention norm, the down-projections' input, the two latents and the output
+projection's input stay, q/k/v and the probabilities do not (a fused core keeps its log-sum-exp
+as well and re-runs only the up-projections: its backward rebuilds the probabilities anyway);
+for other attention (Llama) it
+recomputes the core attention and the SwiGLU product, keeping their inputs (q, k, v at their own
+head counts; gate and up). ``"full"`` keeps each recomputed region's input: a dense layer keeps its
+input only; a MoE layer keeps the attention sublayer's input, and its router, dispatch and combine
+still save what they save (they are never re-run), while the experts keep only the dispatched rows.
 
 The integrations run an eager core attention (einsum, softmax, einsum: the S×S probabilities are
 saved); ``Dtypes.fused_attention`` models a flash-style kernel instead (q, k, v, the output and
 one log-sum-exp per head), which is what DeepSeek-V3's production training keeps.
 
 Sequence-level tensors (cos/sin, the mask) are spread over the ``micro_batch_size`` sequences of
-a micro-batch. Parameters autograd references (norm weights, a float32 copy of the router weight)
-are not activations and are not counted.
+a micro-batch. Parameters autograd references (norm weights) are not activations and are not
+counted; neither is ``FP8Linear``'s cached E4M3 copy of its weight (one per weight version, shared
+by every micro-batch: weight memory, ``estimate.weight_bytes``).
 """
 
 from __future__ import annotations
@@ -44,17 +55,28 @@ from dataclasses import dataclass
 
 INDEX = 8.0  # int64 indices
 MASK = 1.0   # a bool
+FP8_TILE = 128
+FP8_LIN = 1.0 + 4.0 / FP8_TILE
+"""Bytes per element of an FP8-cached linear input: E4M3 + a float32 scale per 1×128 tile
+(``fp8/quantize.py``; exact when the feature count is a multiple of 128, as in DeepSeek-V3)."""
 
 
 @dataclass(frozen=True)
 class Dtypes:
-    """Bytes per element: ``elem`` activations (model dtype), ``lin`` cached linear inputs (FP8: 1),
-    ``comp`` RoPE/softmax/router (float32); ``fused_attention``: a flash-style core attention."""
+    """Bytes per element: ``elem`` activations (model dtype), ``lin`` cached linear inputs (FP8:
+    ``FP8_LIN``), ``comp`` RoPE/softmax/router/norms (float32); ``fused_attention``: a flash-style
+    core attention; ``fp8``: the linears are ``FP8Linear`` (each quantises and keeps its own input)."""
 
     elem: float = 2.0
     lin: float = 2.0
     comp: float = 4.0
     fused_attention: bool = False
+    fp8: bool = False
+
+    def linear_input(self, d: int, readers: int = 1) -> float:
+        """Bytes one token's ``d``-feature input keeps for the ``readers`` linears that read it: one
+        shared storage in the model dtype, one FP8 copy per reader with FP8 caching."""
+        return d * self.lin * (readers if self.fp8 else 1)
 
 
 ATTENTION_KINDS = ("eager", "fused")
@@ -69,9 +91,12 @@ def attention_kind(name: str) -> bool:
     return name == "fused"
 
 
-def rms_norm(d: int, t: Dtypes) -> float:
-    """Input, normalised input and the reciprocal RMS of one RMSNorm over ``d`` features."""
-    return 2 * d * t.elem + t.comp
+def rms_norm(d: int, t: Dtypes, input_saved: bool = False) -> float:
+    """Float32 input, normalised input and the reciprocal RMS of one RMSNorm over ``d`` features.
+    ``input_saved``: the input is already counted elsewhere, which is its float32 view only in a
+    float32 model (otherwise the norm keeps its own upcast copy)."""
+    upcast = 0.0 if input_saved and t.elem == t.comp else d * t.comp
+    return upcast + d * t.comp + t.comp
 
 
 def swiglu(ffn: int, t: Dtypes, recompute_product: bool = False) -> float:
@@ -119,12 +144,19 @@ def mla_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> fl
     # (the whole k_nope|v buffer stays), with more it copies v out
     v_store = a.heads * (a.dv + (a.dqk - a.rope_dim if mbs == 1 and not t.fused_attention else 0))
     kept = core_attention(a.heads, a.dqk, v_store, seq, mbs, t) + a.heads * a.dv * t.lin
-    if recompute == "selective":  # normed_qkv recomputed: its input stays
-        return h * t.elem + kept
-    proj = rms_norm(h, t) + h * t.lin + rope(a.rope_dim, mbs, t)
+    if recompute == "selective":  # MLA.attend recomputed: the latents (its inputs) stay, q/k/v do not
+        kept = rms_norm(h, t) + t.linear_input(h, 2) + (a.q_lora + a.kv_lora + a.rope_dim) * t.elem \
+            + a.heads * a.dv * t.lin
+        # a fused core also keeps its log-sum-exp per head (its output is wo's input): its backward rebuilds
+        # the probabilities from the recomputed q, k and that, so the core's forward is not re-run
+        return kept + (a.heads * t.comp if t.fused_attention else 0.0)
+    proj = rms_norm(h, t) + t.linear_input(h, 2) + rope(a.rope_dim, mbs, t)  # q and kv down-projections
     if a.q_lora:
         proj += rms_norm(a.q_lora, t) + a.q_lora * t.lin
-    proj += (a.kv_lora + a.rope_dim) * t.elem + a.kv_lora * t.elem + t.comp + a.kv_lora * t.lin  # kv norm, wkv_b
+    # the kv norm reads the latent slice of wkv_a's output: a float32 model saves that view (the whole
+    # latent|rope buffer's storage), another model the slice's float32 copy
+    kv_in = (a.kv_lora + a.rope_dim) * t.elem if t.elem == t.comp else a.kv_lora * t.comp
+    proj += kv_in + a.kv_lora * t.comp + t.comp + a.kv_lora * t.lin  # kv norm, wkv_b's input
     return proj + kept
 
 
@@ -133,7 +165,7 @@ def gqa_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> fl
     h, d = a.hidden, a.dqk
     if recompute == "full":
         return h * t.elem
-    front = rms_norm(h, t) + h * t.lin + rope(d, mbs, t) + a.heads * a.dv * t.lin
+    front = rms_norm(h, t) + t.linear_input(h, 3) + rope(d, mbs, t) + a.heads * a.dv * t.lin  # q/k/v, o
     if recompute == "selective":  # the core's inputs: q, k and v at their own head counts
         return front + (a.heads * d + a.kv_heads * (d + a.dv)) * t.elem
     return front + core_attention(a.heads, d, a.heads * a.dv, seq, mbs, t)  # k and v repeated per group
@@ -144,12 +176,14 @@ def attention_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str)
     return fn(a, seq, mbs, t, recompute)
 
 
-def dense_ffn_saved(hidden: int, ffn: int, t: Dtypes, recompute: str, product_recomputed: bool) -> float:
+def dense_ffn_saved(hidden: int, ffn: int, t: Dtypes, recompute: str, product_recomputed: bool,
+                    up_readers: int = 1) -> float:
     """FFN sublayer of a dense layer: its norm, the up-projections' input and the SwiGLU (nothing
-    under "full": the whole layer is one recomputed region, counted by the attention's input)."""
+    under "full": the whole layer is one recomputed region, counted by the attention's input).
+    ``up_readers``: FP8 copies of the up-projections' input (1: DeepSeek's ``MLP`` shares one)."""
     if recompute == "full":
         return 0.0
-    return rms_norm(hidden, t) + hidden * t.lin + swiglu(ffn, t, product_recomputed)
+    return rms_norm(hidden, t) + t.linear_input(hidden, up_readers) + swiglu(ffn, t, product_recomputed)
 
 
 @dataclass(frozen=True)
@@ -161,25 +195,66 @@ class Moe:
     shared_ffn: int = 0
 
 
-def moe_saved(m: Moe, t: Dtypes, recompute: str) -> float:
-    """FFN sublayer of a MoE layer: norm, routing, dispatch, experts, combine."""
+def moe_saved(m: Moe, t: Dtypes, recompute: str, seq: int = 1, mbs: int = 1) -> float:
+    """FFN sublayer of a MoE layer: norm, routing, dispatch, experts, combine. The dispatched rows are
+    kept once, as the experts' inputs (their bf16 buffer, or with FP8 each expert's one FP8 copy)."""
     h, k = m.hidden, m.topk
     out = rms_norm(h, t) + h * t.comp  # the router reads the norm output in the compute dtype
+    if t.elem != t.comp:  # ... with its weight cast to it: one copy per micro-batch
+        out += m.experts * h * t.comp / (seq * mbs)
+    # under "full" the experts and the shared expert are recomputed regions: each keeps its input as
+    # given (model dtype), not the FP8 copy its linears would keep
+    cached = t.elem if recompute == "full" else t.lin
     if m.shared_ffn and t.lin != t.comp:
-        out += h * t.lin  # the shared expert's own copy of its input
+        out += h * cached  # the shared expert's own copy of its input
     out += m.experts * t.comp + k * t.comp + 3 * t.comp + 2 * k * INDEX  # router, balance terms, gather index
-    out += k * h * t.lin  # dispatched rows: the experts' inputs
+    out += k * h * cached  # dispatched rows: the experts' inputs
     if recompute != "full":
         out += k * swiglu(m.ffn, t) + (swiglu(m.shared_ffn, t) if m.shared_ffn else 0.0)
     return out + k * INDEX + k * t.elem + k * h * t.elem  # combine: unsort index, weights, gathered rows
 
 
 def head_saved(hidden: int, vocab: int, t: Dtypes) -> float:
-    """Final norm, the head's input, the log-probabilities (compute dtype) and the targets."""
-    return rms_norm(hidden, t) + hidden * t.lin + vocab * t.comp + INDEX
+    """Final norm, the head's input (never FP8: model dtype), the log-probabilities (compute dtype)
+    and the targets."""
+    return rms_norm(hidden, t) + hidden * t.elem + vocab * t.comp + INDEX
 
 
 def mtp_extra_saved(hidden: int, vocab: int, t: Dtypes) -> float:
     """One MTP depth besides its block: the embedding's ids, the two input norms (the hidden half's
     input is the previous head's norm output, already saved), the projection's input and a head."""
-    return INDEX + rms_norm(hidden, t) + (hidden * t.elem + t.comp) + 2 * hidden * t.lin + head_saved(hidden, vocab, t)
+    return INDEX + rms_norm(hidden, t) + rms_norm(hidden, t, input_saved=True) + 2 * hidden * t.lin \
+        + head_saved(hidden, vocab, t)
+
+
+# ----- what a deferred W keeps from B until it runs -----------------------------------------------------
+# A split B frees the graph, but the weight-gradient GEMMs queued for W hold the input of every linear
+# layer that defers (``DeferredLinear``; the cheap owners, norms, the router and embeddings, get their
+# gradients in B). Whether that input was saved in F or recomputed in B, it stays until W: the same
+# bytes under every recompute policy. Per token, in ``lin`` bytes; a storage read by several linears
+# (q/kv down-projections, gate/up) counts once.
+
+def attention_w_held(a: Attention, t: Dtypes) -> float:
+    """MLA: the down-projections' input, the two latents' norms (up-projections' inputs), wo's input;
+    GQA: the q/k/v projections' input and o_proj's input (with FP8, one copy per projection)."""
+    out = (a.heads * a.dv + (a.q_lora + a.kv_lora if a.kind == "mla" else 0)) * t.lin
+    return out + t.linear_input(a.hidden, 2 if a.kind == "mla" else 3)
+
+
+def dense_ffn_w_held(hidden: int, ffn: int, t: Dtypes, up_readers: int = 1) -> float:
+    """gate/up's input (the FFN norm's output) and the down-projection's input."""
+    return t.linear_input(hidden, up_readers) + ffn * t.lin
+
+
+def moe_w_held(m: Moe, t: Dtypes) -> float:
+    """The dispatched rows (the experts' inputs, one buffer), each routed expert's down-projection
+    input, and the shared experts' input and down-projection input."""
+    out = m.topk * (m.hidden + m.ffn)
+    if m.shared_ffn:
+        out += m.hidden + m.shared_ffn
+    return out * t.lin
+
+
+def head_w_held(hidden: int, t: Dtypes) -> float:
+    """The head's input (a deferring ``nn.Linear``, never FP8)."""
+    return hidden * t.elem

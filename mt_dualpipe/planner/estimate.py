@@ -14,8 +14,11 @@ the same simulator as everything else in this library. Around it:
   ``dp_sync_total`` what it would add with nothing hidden.
 - **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel with
   ZeRO-1; experts are sharded by expert parallel and their optimizer over the expert-data-parallel
-  group) + peak in-flight activations of the schedule on that rank x the bytes one stage saves
-  per micro-batch. The largest rank counts.
+  group) + the peak of saved activations along the rank's op order: a stage's bytes per
+  micro-batch from its F to its BW, or to its B, after which a deferred W keeps only its linears'
+  inputs (``Item.w_act_bytes``) until it runs, and the stage's received input stays until its W
+  (at a V's turn, until the previous stage's W too) — the rules the runtime's recorded peak follows
+  (``runtime/activation_bytes.py``, ``runtime/stage.py``). The largest rank counts.
 
 Costs of a stage: F = matmul FLOPs / matmul rate + core attention / attention rate;
 B = the input-gradient matmuls (same FLOPs as F's matmuls) + 2x core attention; W = the weight-
@@ -36,9 +39,10 @@ from functools import lru_cache
 from ..schedules import Costs, add_grad_reduction, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
-from ..schedules.ops import parts, rule
+from ..schedules.ops import OpKind, needs, parts, rule
 from ..schedules.placements import balanced_cuts
 from ..schedules.simulate import SimResult, run_schedule
+from .activations import FP8_LIN
 from .dp_sync import param_gather_time, stage_sync_times
 from .model import Item, ModelSpec
 from .runnable import launch, unrunnable_reasons
@@ -128,7 +132,7 @@ class Estimate:
 
 
 # ----- model cut ---------------------------------------------------------------------------------
-ACT_UNIT = {"fp8": 1.0, "bf16": 2.0, "fp32": 4.0}
+ACT_UNIT = {"fp8": FP8_LIN, "bf16": 2.0, "fp32": 4.0}  # bytes per cached linear-input element
 
 
 def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str) -> float:
@@ -239,29 +243,85 @@ def weight_bytes(strategy: Strategy) -> tuple[float, float, float]:
     return 2.0, 4.0, (8.0 if strategy.dtype == "fp8" else 12.0)
 
 
-def activation_peak_bytes(ops: list, stage_bytes: list[float]) -> float:
+def activation_peak_bytes(ops: list, stage_bytes: list[float], w_bytes: list[float] | None = None,
+                          input_bytes: list[float] | None = None) -> float:
     """Peak saved-activation bytes of one rank's op order: each op holds and frees what ``schedules.ops``
-    says it does (+ its stage's bytes at F, - at its W or BW)."""
-    live = peak = 0.0
-    for item in ops:
-        for op in parts(item):
-            r = rule(op.kind)
-            live += r.holds * stage_bytes[op.stage]
-            peak = max(peak, live)
-            live -= r.frees * stage_bytes[op.stage]
-    return peak
+    says it does (+ its stage's bytes at F, - at its W or BW). With ``w_bytes`` (per stage, what a
+    deferred W keeps: its linears' inputs, ``Item.w_act_bytes``) a split B frees the stage's bytes but
+    keeps ``w_bytes`` until its W, as the runtime does (B frees the graph; the queued weight GEMMs hold
+    their inputs, recomputed ones included).
+
+    ``input_bytes`` (per stage, part of ``stage_bytes``: the hidden states a stage receives, which its
+    first norm or recomputed region saves): the runtime's stage keeps its micro-batch's inputs until
+    its W (or BW), so B does not free them; and at the turn of a V, where the previous stage on this
+    rank hands its output over without a send, that stage keeps the same storage as its output until
+    its own W: the bytes go when both are done (``runtime/stage.py``: ``_drop`` at W)."""
+    return _ActivationWalk(ops, stage_bytes, w_bytes, input_bytes).peak
+
+
+class _ActivationWalk:
+    """``activation_peak_bytes``'s walk: live bytes op by op, stage inputs released when every holder is done."""
+
+    def __init__(self, ops: list, stage_bytes: list[float], w_bytes: list[float] | None,
+                 input_bytes: list[float] | None) -> None:
+        self.stage_bytes, self.w_bytes = stage_bytes, w_bytes
+        self.input_bytes = input_bytes if input_bytes is not None else [0.0] * len(stage_bytes)
+        self.holders: dict[tuple[int, int, int], set[tuple[int, int, int]]] = {}
+        self.live = self.peak = 0.0
+        local = {(op.chain, op.stage) for item in ops for op in parts(item)}
+        for item in ops:
+            for op in parts(item):
+                self.step(op, local)
+
+    def add(self, n: float) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def step(self, op, local: set[tuple[int, int]]) -> None:
+        s, key = op.stage, (op.chain, op.stage, op.mb)
+        r = rule(op.kind)
+        self.add(r.holds * self.stage_bytes[s])
+        if r.holds and self.input_bytes[s]:
+            # its input's storage: held by this stage, and by the previous one when handed over locally
+            handed = {(c, t, m) for _, c, t, m in needs(op, len(self.stage_bytes)) if (c, t) in local}
+            self.holders[key] = {key} | handed
+        kept = self.input_bytes[s]
+        if self.w_bytes is not None and op.kind == OpKind.B:
+            self.add(self.w_bytes[s] - self.stage_bytes[s] + kept)
+            return
+        if self.w_bytes is not None and op.kind == OpKind.W:
+            self.live -= self.w_bytes[s]
+        elif r.frees:
+            self.live -= r.frees * (self.stage_bytes[s] - kept)
+        else:
+            return
+        self._release(key)
+
+    def _release(self, done: tuple[int, int, int]) -> None:
+        """``done``'s W (or BW) ran: drop it as a holder of its own input and of the next stage's."""
+        for key in [k for k, held in self.holders.items() if done in held]:
+            held = self.holders[key]
+            held.discard(done)
+            if not held:
+                del self.holders[key]
+                self.live -= self.input_bytes[key[1]]
 
 
 def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[int], act_bytes: float,
                      extra_params: float = 0.0) -> dict[str, float]:
+    """Weights (with FP8 training, each ``FP8Linear``'s cached E4M3 copy of its weight too: 1 byte per
+    converted parameter, the block scales aside), gradients, optimizer state and activations, in GB."""
     wb, gb, ob = weight_bytes(strategy)
     dense = sum(i.params for s in local for i in stages[s]) + extra_params
     expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
+    fp8_cache = 0.0
+    if strategy.dtype == "fp8":  # the experts' and the layers' linears (not the embedding, head or router)
+        fp8_cache = sum(i.linear_params for s in local for i in stages[s]) + expert
     edp = max(1, strategy.dp // strategy.ep)
     shard_dense = strategy.dp if strategy.zero >= 1 else 1
     shard_expert = edp if strategy.zero >= 1 else 1
     out = {
-        "weights": (dense + expert) * wb / GB,
+        "weights": ((dense + expert) * wb + fp8_cache) / GB,
         "gradients": (dense + expert) * gb / GB,
         "optimizer": (dense * ob / shard_dense + expert * ob / shard_expert) / GB,
         "activations": act_bytes / GB,
@@ -308,12 +368,18 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     worst = None
     per_rank = []
     stage_bytes = [sum(i.act_bytes for i in g) * tokens for g in stages]
+    w_bytes = [sum(i.w_act_bytes for i in g) * tokens for g in stages]
+    hidden = model.hidden_size * (4.0 if strategy.dtype == "fp32" else 2.0) * tokens  # a stage's received input
+    in_bytes = [0.0] + [hidden] * (len(stages) - 1)
+    if strategy.dtype != "fp32":  # the norm saves a float32 copy, not the input: the stage holds it besides
+        stage_bytes = [b + i for b, i in zip(stage_bytes, in_bytes)]
     for r in range(strategy.pp):
         local = sorted({s for _, s in sched.local_stages(r)})
         # MTP needs the embedding: a last stage away from the first keeps its own copy
         extra = model.vocab_size * model.hidden_size if model.mtp_depth and len(stages) - 1 in local \
             and 0 not in local else 0.0
-        mem = memory_breakdown(strategy, stages, local, activation_peak_bytes(sched.ranks[r], stage_bytes), extra)
+        acts = activation_peak_bytes(sched.ranks[r], stage_bytes, w_bytes, in_bytes)
+        mem = memory_breakdown(strategy, stages, local, acts, extra)
         per_rank.append(mem["total"])
         if worst is None or mem["total"] > worst[0]["total"]:
             worst = (mem, res.peak_activations[r])

@@ -33,9 +33,13 @@ from .activations import (
     Moe,
     attention_kind,
     attention_saved,
+    attention_w_held,
     dense_ffn_saved,
+    dense_ffn_w_held,
     head_saved,
+    head_w_held,
     moe_saved,
+    moe_w_held,
     mtp_extra_saved,
 )
 
@@ -79,6 +83,8 @@ class Item:
     moe: bool = False
     recompute_mm_flops: float = 0.0    # forward matmul FLOPs per token re-run in B by the recompute policy
     recompute_attn_flops: float = 0.0  # forward core-attention FLOPs per token re-run in B
+    w_act_bytes: float = 0.0  # bytes per token a deferred W keeps from B until it runs (its linears' inputs)
+    linear_params: float = 0.0  # of ``params``, those in linears FP8 training converts (each caches an FP8 copy)
 
 
 @dataclass
@@ -235,15 +241,15 @@ class ModelSpec:
         return Attention("gqa", self.hidden_size, self.head_num, self.kv_head_num or self.head_num, dqk, dv)
 
     def selective_mm_flops(self) -> float:
-        """Matmul FLOPs per token that ``"selective"`` recomputes: MLA's down/up projections (DeepSeek-V3);
-        nothing for other attention, whose recomputed core attention counts as attention FLOPs."""
+        """Matmul FLOPs per token that ``"selective"`` recomputes: MLA's up-projections (DeepSeek-V3; an
+        eager core is re-run too, counted as attention FLOPs); nothing for other attention, whose
+        recomputed core attention counts as attention FLOPs."""
         if self.attention_type != "mla":
             return 0.0
         h, n = self.hidden_size, self.head_num
         dqk, dv = self._dims()
-        q = h * self.q_lora_rank + self.q_lora_rank * n * dqk if self.q_lora_rank else h * n * dqk
-        kv = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * n * (self.qk_head_dim + dv)
-        return 2 * (q + kv)
+        q = self.q_lora_rank * n * dqk if self.q_lora_rank else h * n * dqk
+        return 2 * (q + self.kv_lora_rank * n * (self.qk_head_dim + dv))
 
     def layer_item(self, layer_id: int, seq_len: int, act_unit: float, recompute: str, elem: float = 2.0,
                    micro_batch_size: int = 1, attention: str = "eager") -> Item:
@@ -256,8 +262,10 @@ class ModelSpec:
         attn_p = self.attention_params()
         attn_mm = 2 * (attn_p - h)
         attn_core = n * seq_len * (dqk + dv)  # causal: half of 2*s*(dqk+dv) per head and token
-        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem), fused_attention=attention_kind(attention))
+        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem), fused_attention=attention_kind(attention),
+                   fp8=act_unit < elem)
         act = attention_saved(self.attention_shape(), seq_len, micro_batch_size, t, recompute)
+        w_held = attention_w_held(self.attention_shape(), t)
         mla = self.attention_type == "mla"
         if self.moe_layer(layer_id):
             ffn, k = self.moe_ffn_hidden_size, self.topk
@@ -266,19 +274,27 @@ class ModelSpec:
             router = 2 * h * self.expert_num
             dense_p = self.mlp_params(shared) + h * self.expert_num + h
             mm = 2 * (k * self.mlp_params(ffn) + self.mlp_params(shared)) + router
-            act += moe_saved(Moe(h, self.expert_num, k, ffn, shared), t, recompute)
+            act += moe_saved(Moe(h, self.expert_num, k, ffn, shared), t, recompute, seq_len, micro_batch_size)
+            w_held += moe_w_held(Moe(h, self.expert_num, k, ffn, shared), t)
             params, moe = (attn_p + dense_p, expert_p), True
         else:
             mm, router = 2 * self.mlp_params(self.intermediate_size), 0.0
+            up_readers = 1 if mla else 2  # DeepSeek's MLP quantises gate/up's input once, Llama's each linear
             act += dense_ffn_saved(h, self.intermediate_size, t, recompute,
-                                   product_recomputed=not mla and recompute == "selective")
+                                   product_recomputed=not mla and recompute == "selective", up_readers=up_readers)
             params, moe = (attn_p + self.mlp_params(self.intermediate_size) + h, 0.0), False
+            w_held += dense_ffn_w_held(h, self.intermediate_size, t, up_readers)
         re_mm, re_attn = 0.0, 0.0
         if recompute == "full":  # everything but the router (the all-to-alls are not compute)
             re_mm, re_attn = attn_mm + mm - router, attn_core
         elif recompute == "selective":
-            re_mm, re_attn = (self.selective_mm_flops(), 0.0) if mla else (0.0, attn_core)
-        return Item(f"layer{layer_id}", params[0], params[1], attn_mm + mm, attn_core, act, moe, re_mm, re_attn)
+            # the core is re-run, except MLA's with a fused kernel (whose backward rebuilds its probabilities)
+            re_mm = self.selective_mm_flops() if mla else 0.0
+            re_attn = 0.0 if mla and t.fused_attention else attn_core
+        norms = h + (self.q_lora_rank + self.kv_lora_rank if mla else 0)  # norm weights inside attention_params
+        ffn_linears = self.mlp_params(self.moe_shared_expert_intermediate_size if moe else self.intermediate_size)
+        return Item(f"layer{layer_id}", params[0], params[1], attn_mm + mm, attn_core, act, moe, re_mm, re_attn,
+                    w_held, attn_p - norms + ffn_linears)
 
     def items(self, seq_len: int, act_unit: float = 2.0, recompute: str = "selective", elem: float = 2.0,
               micro_batch_size: int = 1, attention: str = "eager") -> list[Item]:
@@ -286,11 +302,14 @@ class ModelSpec:
         if recompute not in ("none", "selective", "full"):
             raise ScheduleError(f"recompute must be none, selective or full, got {recompute!r}")
         h, V = self.hidden_size, self.vocab_size
-        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem))
+        t = Dtypes(elem=elem, lin=act_unit, comp=max(4.0, elem), fp8=act_unit < elem)
         out = [Item("embedding", V * h, 0.0, 0.0, 0.0, INDEX)]  # the token ids
         out += [self.layer_item(i, seq_len, act_unit, recompute, elem, micro_batch_size, attention)
                 for i in range(self.layer_num)]
-        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t))
+        # DeepSeek's head is a deferring linear (W keeps its input); Llama's criterion applies the head's
+        # weight with F.linear, whose gradient is computed in B
+        head_w = head_w_held(h, t) if self.attention_type == "mla" else 0.0
+        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t), w_act_bytes=head_w)
         for d in range(self.mtp_depth):  # projection of [h; emb] and one more (MoE) block, the shared head
             block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem, micro_batch_size,
                                     attention)
@@ -299,7 +318,9 @@ class ModelSpec:
                         head.mm_flops + 2 * proj + block.mm_flops + 2 * V * h, head.attn_flops + block.attn_flops,
                         head.act_bytes + block.act_bytes + mtp_extra_saved(h, V, t), True,
                         head.recompute_mm_flops + block.recompute_mm_flops,
-                        head.recompute_attn_flops + block.recompute_attn_flops)
+                        head.recompute_attn_flops + block.recompute_attn_flops,
+                        head.w_act_bytes + block.w_act_bytes + 2 * h * act_unit + head_w,  # + projection, head inputs
+                        block.linear_params + 2 * h * h)
         out.append(head)
         return out
 

@@ -45,6 +45,28 @@ COLUMNS = ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sy
 "of s" the same sync with nothing hidden; "run" whether the runtime can launch the row."""
 
 
+RECOMPUTE_SAVERS = {
+    "none": "no recompute",
+    "selective": "selective recompute (DeepSeek-V3: q, k, v rebuilt from the MLA latents in B (their RMSNorms and "
+                 "the up-projections); Llama: the core attention and the SwiGLU product)",
+    "full": "full recompute (each layer keeps its input; a MoE layer's routing, dispatch and combine still keep "
+            "theirs)",
+}
+NOT_IN_RUNTIME = ("recompute of the layers' input RMSNorms", "SwiGLU output recompute (caching only its inputs)")
+"""DeepSeek-V3 memory savers the runtime does not implement: the planner does not model them either."""
+
+
+def savers_line(strategy) -> str:
+    """The memory savers an estimate models (all implemented by the runtime) and those it leaves out."""
+    parts = [RECOMPUTE_SAVERS[strategy.recompute]]
+    if strategy.dtype == "fp8":
+        parts.append("FP8-cached inputs of the FP8 linears (FP8Linear: E4M3 + 1x128 scales, the experts' inputs "
+                     "after dispatch included; one copy per linear, one per SwiGLU), FP8 dispatch, the FP8 weight "
+                     "copies in 'weights', BF16 Adam moments")
+    return ("memory savers modelled (all in the runtime): " + "; ".join(parts)
+            + ". Not in the runtime, so not modelled: " + ", ".join(NOT_IN_RUNTIME) + ".")
+
+
 def notes(result: PlanResult, top: int = 10) -> list[str]:
     """The lines under the table: what the sync columns mean, and why rows cannot be launched."""
     out = ["sync s: data-parallel gradient sync left exposed after each stage's reduction overlaps the pipeline's "
@@ -69,6 +91,14 @@ def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
                       f"({len(result.rejected)} estimated, {result.skipped} combinations ruled out"
                       + (f", {result.not_runnable} not runnable left out (JSON 'unrunnable' says why)"
                          if result.not_runnable else "") + ")")
+        if result.rejected:
+            e = min(result.rejected, key=lambda r: r.total_memory_gb)
+            s, m = e.strategy, e.memory_gb
+            console.print(f"smallest: pp{s.pp} {s.schedule_label} M={s.num_microbatches} ep{s.ep} dp{s.dp} "
+                          f"mbs{s.micro_batch_size} {s.dtype} recompute {s.recompute}: weights {m['weights']:.1f} + "
+                          f"grads {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + activations "
+                          f"{m['activations']:.1f} = {m['total']:.1f} GB per GPU")
+            console.print(savers_line(s))
     else:
         console.print(plan_table(result, top))
         console.print(f"{len(result.ranked)} configurations fit, {len(result.rejected)} exceed the memory, "

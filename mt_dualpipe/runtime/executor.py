@@ -7,7 +7,8 @@ a stage of the same rank (the turn of a V: handed over locally) or a posted rece
 right before the op. A ``CommBatch`` is posted at once and never waited for; sends complete in
 the background and their outputs' storage is released once they have. Peak live activations
 follow the simulator's rule (+1 at F, -1 at W or BW), so the recorded peak can be compared with
-``simulate()``.
+``simulate()``; with ``record_bytes`` a step also records the peak of saved-activation *bytes* this
+rank's stages held (``activation_bytes.py``), which the planner's memory estimate is checked against.
 
 Per step the loop only dispatches: everything an instruction needs (its stage, a bound method
 that fetches its inputs or output gradients, each comm op's message key) is resolved once per
@@ -29,6 +30,7 @@ import torch.nn as nn
 from ..schedules.ir import FB, CommBatch, Op, Program
 from ..schedules.ops import COMM_KINDS, SEND_RECV, SIGNAL_OF_COMM, OpKind, Signal, producers
 from ..schedules.timeline import TimelineEvent
+from .activation_bytes import ActivationBytes
 from .comm import P2P, message_key
 from .errors import PipelineError
 from .stage import Stage
@@ -112,12 +114,15 @@ Planned = PlannedPost | PlannedOp | PlannedFB | PlannedReduce
 
 
 class RunResult:
-    """What one ``Executor.run`` returns: losses and outputs per micro-batch, the peak, the events."""
+    """What one ``Executor.run`` returns: losses and outputs per micro-batch, the peak in micro-batches,
+    the events, and ``peak_activation_bytes``: the peak of saved-activation bytes this rank's stages
+    held (``activation_bytes.py``; None unless the step recorded it)."""
 
-    __slots__ = ("losses", "outputs", "peak_activations", "events")
+    __slots__ = ("losses", "outputs", "peak_activations", "events", "peak_activation_bytes")
 
-    def __init__(self, losses, outputs, peak, events):
+    def __init__(self, losses, outputs, peak, events, peak_bytes=None):
         self.losses, self.outputs, self.peak_activations, self.events = losses, outputs, peak, events
+        self.peak_activation_bytes = peak_bytes
 
 
 class Executor:
@@ -144,6 +149,7 @@ class Executor:
         self._tag_shape = (len(self.placement), max(len(c) for c in self.placement))
         self.inputs: dict[int, tuple] | None = None
         self.labels: dict[int, tuple] | None = None
+        self.recorder: ActivationBytes | None = None  # set while a step records activation bytes
 
     def instructions(self, forward_only: bool) -> list[tuple[int, Any]]:
         """(index in the program, instruction); forward-only drops backward ops and their messages."""
@@ -232,8 +238,23 @@ class Executor:
 
     # ----- one step -----------------------------------------------------------------------------
     def run(self, inputs: dict[int, tuple], labels: dict[int, tuple], criterion: Callable | None,
-            forward_only: bool, keep_outputs: bool, record: bool, checks: Sequence[int] = ()) -> RunResult:
-        """One step. ``checks``: this rank's part of the step-start agreement (see ``P2P.begin_step``)."""
+            forward_only: bool, keep_outputs: bool, record: bool, checks: Sequence[int] = (),
+            record_bytes: bool = False) -> RunResult:
+        """One step. ``checks``: this rank's part of the step-start agreement (see ``P2P.begin_step``);
+        ``record_bytes``: record the peak of saved-activation bytes (``RunResult.peak_activation_bytes``)."""
+        if not record_bytes or forward_only:
+            return self._run(inputs, labels, criterion, forward_only, keep_outputs, record, checks)
+        self.recorder = ActivationBytes(p for st in self.stages.values() for p in st.module.parameters())
+        try:
+            with self.recorder.recording():
+                res = self._run(inputs, labels, criterion, forward_only, keep_outputs, record, checks)
+        finally:
+            recorder, self.recorder = self.recorder, None
+        res.peak_activation_bytes = recorder.peak
+        return res
+
+    def _run(self, inputs: dict[int, tuple], labels: dict[int, tuple], criterion: Callable | None,
+             forward_only: bool, keep_outputs: bool, record: bool, checks: Sequence[int]) -> RunResult:
         self._begin(inputs, labels, criterion, forward_only, keep_outputs, checks)
         events: list[TimelineEvent] | None = [] if record else None
         p2p = self.p2p
@@ -258,9 +279,7 @@ class Executor:
             elif kind is FB_KIND:
                 start = self._fb(e)
             elif kind is B:
-                grads = e.fetch()
-                start = clock()
-                e.stage.backward(e.op.mb, grads, True)
+                start = self._split_b(e)
             else:
                 grads = e.fetch()
                 start = clock()
@@ -369,6 +388,7 @@ class Executor:
     def _handed_over(self, prev: Stage, mb: int) -> Sequence[Any]:
         """The turn of a V: the previous stage's outputs, as fresh autograd leaves when training."""
         outs = prev.outputs[mb]
+        prev.free_after_send.pop(mb, None)  # nothing is sent: kept there, the output (and its graph) outlived W
         if not self.training:
             return outs
         return tuple(o.detach().requires_grad_(o.is_floating_point() or o.is_complex()) for o in outs)
@@ -395,7 +415,23 @@ class Executor:
         if self.live > self.peak:
             self.peak = self.live
 
+    def _split_b(self, e: PlannedOp) -> float:
+        """A split B; returns when its compute started (after its output gradients arrived)."""
+        grads = e.fetch()
+        start = time.time()
+        e.stage.backward(e.op.mb, grads, True)
+        if self.recorder is not None:  # the recomputed tensors W keeps are known once B is done
+            self.recorder.settle()
+        return start
+
     def _fb(self, e: PlannedFB) -> float:
+        """An F&B unit, then (recording activation bytes) what its B left for W is counted."""
+        start = self._fb_unit(e)
+        if self.recorder is not None:
+            self.recorder.settle()
+        return start
+
+    def _fb_unit(self, e: PlannedFB) -> float:
         """An F&B unit: the stage class's ``overlapped_forward_backward`` if it has one, else F then B.
 
         Returns when its compute started (after both halves' inputs arrived).

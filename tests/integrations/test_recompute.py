@@ -1,5 +1,6 @@
 """Recompute policies: gradients bit-equal to no recompute, each region recomputed once in B and never in W
-(the zero-bubble split), fewer saved activation bytes; single process and 2-rank pipelines."""
+(the zero-bubble split), fewer saved activation bytes (the runtime's recorded peak on 2 ranks); single process
+and 2-rank pipelines."""
 
 from __future__ import annotations
 
@@ -129,14 +130,14 @@ def _pipeline_worker(rank, world, kind, schedule, num_mb):
         inputs = [torch.cat([data[m][0] for m in sched.microbatches_of(first[0])])] if first else []
         labels = (torch.cat([data[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
         criterion = criterion_for(mods)
-        meter = SavedActivationMeter()
-        with meter.measure(), overlap_counter() as overlapped:
+        pipe.record_activation_bytes = True  # the runtime's own peak of saved-activation bytes on this rank
+        with overlap_counter() as overlapped:
             pipe.step(*inputs, num_chunks=num_mb, criterion=criterion, labels=labels)
         sync_replicas(mods, dist.group.WORLD)
         grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods) for n, p in m.named_parameters()
                  if p.grad is not None}
         calls = [dict(m.recompute_calls) for m in mods]
-        out[policy] = (grads, calls, meter.peak, len(overlapped))
+        out[policy] = (grads, calls, pipe.peak_activation_bytes, len(overlapped))
     ref = out["none"][0]
     for policy in ("selective", "full"):
         grads, calls, _, _ = out[policy]
@@ -167,8 +168,34 @@ def overlap_counter():
 def test_pipelines_with_recompute_give_bit_equal_gradients(kind, schedule):
     res = run_ranks(_pipeline_worker, 2, kind, schedule, 4, timeout=300)
     peaks = [r[0] for r in res]
-    print(f"\n{kind} {schedule} saved-activation peak bytes per rank: {peaks}")
+    print(f"\n{kind} {schedule} recorded activation peak bytes per rank: {peaks}")
     for p in peaks:
         assert p["selective"] < p["none"] and p["full"] < p["selective"]
     if kind == "deepseek" and schedule == "dualpipe":  # DualPipe's overlapped F&B ran under every policy
         assert all(sum(r[1][p] for r in res) > 0 for p in POLICIES)
+
+
+def test_deepseek_selective_keeps_the_latents_and_not_qkv():
+    """MLA under "selective" keeps exactly: the block input, attn_norm's normalised input and 1/rms, its output
+    (the down-projections' input), the q latent, wkv_a's output (kv latent + rotary key) and the core's output
+    (wo's input); q, k, v, RoPE's tables and the probabilities are recomputed from the latents in B."""
+    from mt_dualpipe.integrations.deepseek_v3.model import Block
+
+    config = deepseek_config()
+    seq, fp32 = 16, 4
+    kept_per_token = (3 * config.dim + 1 + config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim
+                      + config.n_heads * config.v_head_dim)
+    saved = {}
+    for policy in ("none", "selective"):
+        torch.manual_seed(0)
+        block = Block(0, config)
+        apply_recompute(block, policy)
+        x = torch.randn(1, seq, config.dim, requires_grad=True)
+        meter = SavedActivationMeter(exclude=list(block.parameters()))
+        with meter.measure():
+            block.attention(x).sum().backward()
+        saved[policy] = meter.peak
+        assert block.recompute_calls == ({} if policy == "none" else {"latent_attention": 2})
+    assert saved["selective"] == kept_per_token * seq * fp32
+    qkv = config.n_heads * (2 * (config.qk_nope_head_dim + config.qk_rope_head_dim) + config.v_head_dim)
+    assert saved["none"] - saved["selective"] > qkv * seq * fp32  # at least q, k and v are no longer kept

@@ -54,6 +54,23 @@ def test_activation_peak_bytes_walks_the_order():
     assert activation_peak_bytes(ops, [10.0, 3.0]) == 20.0
 
 
+def test_received_inputs_stay_until_w_and_a_v_turn_until_both_ws():
+    # a V on one rank: stage 1 takes stage 0's output without a send; stage 2's input came from elsewhere.
+    # stage bytes 10 / 6 / 6 (the received input, 2, included), W keeps 4 of stage 1 and stage 2
+    saved, kept, received = [10.0, 6.0, 6.0], [3.0, 4.0, 4.0], [0.0, 2.0, 2.0]
+    v_turn = [Op("F", 0, 0, 0), Op("F", 0, 1, 0), Op("B", 0, 1, 0), Op("W", 0, 1, 0), Op("B", 0, 0, 0)]
+    # F, F: 16; B of stage 1 frees 6 but keeps its input (2) and W's 4: 16; its W frees the 4, the input
+    # stays (stage 0 holds it as its output until its own W); stage 0's B keeps 3 + the 2: 15 at most
+    assert activation_peak_bytes(v_turn, saved, kept, received) == 16.0
+    assert activation_peak_bytes(v_turn + [Op("W", 0, 0, 0), Op("F", 0, 0, 1), Op("F", 0, 1, 1)],
+                                 saved, kept, received) == 16.0  # W of stage 0 let both go: 0 + 16 again
+    # without the turn (stage 2 alone on this rank) its input goes at its W; two deferred Bs stack up
+    alone = [Op("F", 0, 2, 0), Op("F", 0, 2, 1), Op("B", 0, 2, 0), Op("B", 0, 2, 1), Op("W", 0, 2, 0)]
+    kept5 = [3.0, 4.0, 5.0]
+    assert activation_peak_bytes(alone, saved, kept5, received) == 14.0  # 2 x (W's 5 + the input 2)
+    assert activation_peak_bytes(alone, saved, kept5) == 12.0  # the input freed at B: 6 + 6 before the Bs
+
+
 def test_all_to_all_model(v3):
     h800 = PRESETS["h800"]
     st1 = Strategy(16, "dualpipe", 120, ep=1, dp=128)
@@ -76,7 +93,10 @@ def test_estimate_uses_the_simulator(v3):
     mem = est.memory_gb
     assert mem["total"] == pytest.approx(mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"],
                                          abs=0.05)
-    assert mem["gradients"] == pytest.approx(2 * mem["weights"], rel=0.01)  # FP32 grads of BF16 weights
+    bf16 = estimate(v3, PRESETS["h800"], Strategy(16, "dualpipe", 120, ep=64, dp=128, dtype="bf16")).memory_gb
+    assert mem["gradients"] == pytest.approx(2 * bf16["weights"], rel=0.01)  # FP32 grads of BF16 weights
+    # FP8 training adds each FP8Linear's 1-byte weight copy: the linears, not the embedding, head, router or norms
+    assert 1.45 * bf16["weights"] < mem["weights"] < 1.5 * bf16["weights"]
     assert sum(est.stage_layers) == 61 + 2  # embedding, 61 layers, head + MTP
 
 
@@ -109,7 +129,9 @@ def test_deepseek_v3_on_2048_h800(v3):
     assert result.reference is not None
     ref = result.reference.strategy
     assert (ref.pp, ref.schedule, ref.ep, ref.dp, ref.num_microbatches) == (16, "dualpipe", 64, 128, 120)
-    assert result.reference_rank is not None and result.reference_rank <= 5
+    # with selective recompute keeping MLA's latents (not q, k, v) ep 16 and 32 fit too: each of the three ep
+    # sizes ahead of or at the published 64 has a pp-8 DualPipeV twin within 0.1 %
+    assert result.reference_rank is not None and result.reference_rank <= 6
     assert result.ranked[0].strategy.schedule in ("dualpipe", "dualpipev")
     assert "ranks #" in result.verdict or "ranks first" in result.verdict
 

@@ -42,13 +42,30 @@ def _items(model, **kw):
 def test_attention_kind_and_microbatch_change_only_the_core_terms():
     v3 = ModelSpec.load("deepseek-v3")
     h, n, s = v3.hidden_size, v3.head_num, 4096
-    eager, fused = _items(v3, recompute="selective"), _items(v3, recompute="selective", attention="fused")
-    # MLA selective, one sequence: eager keeps S probabilities per head in fp32 and bf16, the bool mask and the
+    eager, fused = _items(v3, recompute="none"), _items(v3, recompute="none", attention="fused")
+    # MLA, one sequence: eager keeps S probabilities per head in fp32 and bf16, the bool mask and the
     # whole k_nope|v buffer; fused keeps v alone and one fp32 log-sum-exp per head
     k_nope = n * v3.qk_head_dim * 2
     assert eager[1].act_bytes - fused[1].act_bytes == n * s * (4 + 2) + s + k_nope - n * 4
-    two = _items(v3, recompute="selective", micro_batch_size=2)
-    assert eager[1].act_bytes - two[1].act_bytes == s / 2 + k_nope  # mask per sequence; v copied out
+    two = _items(v3, recompute="none", micro_batch_size=2)
+    # mask and RoPE's cos/sin per sequence; v copied out
+    assert eager[1].act_bytes - two[1].act_bytes == s / 2 + k_nope + v3.qk_pos_emb_head_dim * 4 / 2
+    # selective recomputes q, k, v from the latents: the attention keeps its norm (input, normalised, 1/rms),
+    # the down-projections' input, the latents and wo's input in place of q, k, v and the core's tensors; a
+    # fused core keeps its log-sum-exp too (and is not re-run), an eager one is re-run whole
+    sel_eager, sel = _items(v3, recompute="selective"), _items(v3, recompute="selective", attention="fused")
+    assert sel[1].act_bytes - sel_eager[1].act_bytes == n * 4
+    assert (sel_eager[1].recompute_attn_flops, sel[1].recompute_attn_flops) == (sel[1].attn_flops, 0.0)
+    lin, ql, kvl, rd = 1, v3.q_lora_rank, v3.kv_lora_rank, v3.qk_pos_emb_head_dim  # FP8-cached linear inputs
+    wo_input = n * v3.v_head_dim * lin
+    # a bf16 model's norms keep a float32 copy of their input, the normalised input (float32) and 1/rms; the
+    # FP8 q and kv down-projections each keep their own FP8 copy of the attention norm's output
+    kept = 2 * h * 4 + 4 + 2 * h * lin + (ql + kvl + rd) * 2 + wo_input + n * 4
+    dqk = v3.qk_head_dim + rd
+    projections = (2 * h * 4 + 4 + 2 * h * lin) + (2 * ql * 4 + 4 + ql * lin) + (2 * kvl * 4 + 4 + kvl * lin) \
+        + rd * 4  # norms, linear inputs, the kv latent's norm, cos and sin
+    core = n * 2 * dqk * 2 + n * v3.v_head_dim * 2 + n * 4  # fused: q, k, v, one log-sum-exp per head
+    assert fused[1].act_bytes - sel[1].act_bytes == projections + core + wo_input - kept
     full = _items(v3, recompute="full")
     assert full[1].act_bytes == h * 2  # a dense layer keeps its input only
     with pytest.raises(ScheduleError, match="attention must be one of eager, fused, got 'flash'"):
@@ -96,7 +113,7 @@ def test_recompute_none_keeps_the_time_model_and_others_charge_costs_recompute(m
             if policy == "full":  # every layer's forward but the router
                 router = sum(2 * model.hidden_size * model.expert_num for i in layers if i.moe)
                 want = (sum(i.mm_flops for i in layers) - router) * tokens / mm_rate + at
-            elif model.attention_type == "mla":  # MLA's projections, no attention core
+            elif model.attention_type == "mla":  # MLA's up-projections (the fused core is not re-run)
                 want = len(layers) * model.selective_mm_flops() * tokens / mm_rate
             else:  # Megatron's selective: the core attention
                 want = at
