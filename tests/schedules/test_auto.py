@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,11 +21,13 @@ from mt_dualpipe.schedules import (
     validate_program,
 )
 from mt_dualpipe.schedules.auto import (
+    ANNEAL_MOVES,
     HAND_SCHEDULES,
     MOVES,
     Choice,
     Layout,
     Policy,
+    anneal,
     evaluate,
     list_schedule,
     lower_bound,
@@ -32,8 +35,9 @@ from mt_dualpipe.schedules.auto import (
 )
 from mt_dualpipe.schedules.auto.bound import unpaired_bound, work_bound
 from mt_dualpipe.schedules.auto.local import FB_MOVES, neighbour, sink_ws, split_backward, waits_on_later
+from mt_dualpipe.schedules.auto.search import anneal_plan
 from mt_dualpipe.schedules.ir import FB, Op
-from mt_dualpipe.schedules.ops import OpKind, OpTable
+from mt_dualpipe.schedules.ops import OpKind, OpTable, parts
 from mt_dualpipe.schedules.simulate import run_schedule
 
 FAST = dict(time_budget=None, iterations=15)
@@ -251,7 +255,74 @@ def test_pairing_policy_makes_fb_units():
 def test_moves_are_named_and_sum_to_one():
     assert [name for name, _, _ in MOVES] == ["shift", "pair", "unpair", "split_bw", "swap"]
     assert [name for name, _, _ in FB_MOVES] == ["shift", "pair", "pair_late", "unpair", "swap_fb_b", "sink_w", "swap"]
+    assert [name for name, _, _ in ANNEAL_MOVES] == ["shift", "pair", "pair_late", "pair_pull", "unpair",
+                                                     "unpair_spread", "swap_fb_b", "sink_w", "swap"]
     assert sum(p for _, p, _ in MOVES) == pytest.approx(1.0) == sum(p for _, p, _ in FB_MOVES)
+    assert sum(p for _, p, _ in ANNEAL_MOVES) == pytest.approx(1.0)
+
+
+def test_compound_moves_keep_the_ops_and_spread_the_unit():
+    """``unpair_spread`` leaves the unit's halves apart, ``pair_pull`` makes a unit from ops up to 12 apart."""
+    ranks = split_backward(build_schedule("dualpipe", 4, 8).ranks)
+    moves = dict((name, fn) for name, _, fn in ANNEAL_MOVES)
+    rng = random.Random(5)
+    spread = pulled = 0
+    for _ in range(300):
+        ops = ranks[rng.randrange(4)]
+        i = rng.randrange(len(ops))
+        for name in ("unpair_spread", "pair_pull"):
+            new = moves[name](ops, i, rng, 6)
+            if new is None:
+                continue
+            assert sorted(p for it in new for p in parts(it)) == sorted(p for it in ops for p in parts(it))
+            if name == "unpair_spread":
+                unit = ops[i]
+                first = new.index(unit.f) if new[i] == unit.f else new.index(unit.b)
+                other = new.index(unit.b) if new[i] == unit.f else new.index(unit.f)
+                assert first == i and i < other <= i + 7
+                spread += 1
+            else:
+                units = sum(type(x) is FB for x in new) - sum(type(x) is FB for x in ops)
+                assert len(new) == len(ops) - 1 and units == 1
+                pulled += 1
+    assert spread and pulled
+
+
+def test_anneal_never_returns_worse_and_keeps_the_limit():
+    layout = Layout.named("dual", 4, 8)
+    costs = Costs(1, [1, 1, 1, 2], 1, a2a_f=1, a2a_b=1)
+    start = split_backward(build_schedule("dualpipe", 4, 8).ranks)
+    before = evaluate(layout, costs, start)
+    ranks, makespan = anneal(layout, costs, [5] * 4, start, random.Random(0), 400, None)
+    got = evaluate(layout, costs, ranks)
+    assert got[0] == makespan <= before[0] and max(got[2]) <= 5
+    validate(Schedule("auto", 4, 8, layout.placement, layout.microbatch_chain, ranks))
+
+
+def test_anneal_plan_many_short_chains_small_one_long_chain_large():
+    """Three chains from diverse starts on small problems, one long chain on large ones; ``iterations`` caps it."""
+    assert anneal_plan(Layout.named("v", 2, 4), None) == (3, 10000)  # 6 M / 48 ops, capped at 30 000
+    assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, 6_000_000 // 1152)
+    assert anneal_plan(Layout.named("v", 8, 24), 15) == (1, 150)
+    assert anneal_plan(Layout.named("v", 2, 4), 0) == (1, 0)
+
+
+def test_fifo_policy_interleaves_the_chains():
+    """Arrival order (``fifo``) on a dual placement: at a rank's first tie it starts the F that arrived first.
+
+    Dual at P = 3 with a heavy last stage and exposed all-to-all (no hand schedule exists for odd P):
+    by depth alone rank 1 runs chain 0's F's back to back; in arrival order the chains alternate,
+    and the walk ends sooner.
+    """
+    layout = Layout.named("dual", 3, 8)
+    costs = Costs([1, 1, 1.5], [1.5, 1.5, 2.25], [1, 1, 1.5], comm=0.5, a2a_f=0.5, a2a_b=0.5)
+    sc = costs.per_stage(3)
+    pol = Policy(pair=True, reserve=False, cap=1, w_eager=True)
+    plain = list_schedule(layout, sc, [4] * 3, pol)
+    fifo = list_schedule(layout, sc, [4] * 3, replace(pol, fifo=True))
+    chains = [[item.chain for item in ops[:4]] for ops in (plain[1], fifo[1])]
+    assert chains == [[0, 0, 1, 1], [0, 1, 0, 1]]
+    assert evaluate(layout, costs, fifo)[0] < evaluate(layout, costs, plain)[0]
 
 
 def test_same_rank_deadlock_check_is_exact():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule, simulate, validate
+from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule, lower, simulate, validate
 from mt_dualpipe.schedules.auto import HAND_SCHEDULES, Layout, lower_bound
 
 pytest.importorskip("ortools")
@@ -30,6 +30,25 @@ def random_profile(seed: int, fb_pairing: bool = False) -> tuple[str, int, int, 
     return placement, P, M, Costs(per(), per(), per(), comm=rng.choice([0.0, 0.5]), a2a_f=a2a, a2a_b=a2a)
 
 
+def exposed_a2a_profile(seed: int) -> tuple[str, int, int, Costs]:
+    """V or dual placement, P <= 4, M <= 8: exposed all-to-all (0.5 or 1.0 of F), often a heavy last
+    stage (x1.5 or x2: head + loss) and latency; B and W per profile, on a 0.25 grid (exact for the solver)."""
+    rng = random.Random(seed)
+    placement = ("v", "dual")[seed % 2]
+    P = rng.choice([2, 3, 4])
+    M = rng.choice([4, 6, 8])
+    S = 2 * P if placement == "v" else P
+    f, b, w = [1.0] * S, [rng.choice([1.0, 1.5, 2.0])] * S, [rng.choice([0.5, 1.0])] * S
+    if rng.random() < 0.6:
+        k = rng.choice([1.5, 2.0])
+        f, b, w = (x[:-1] + [x[-1] * k] for x in (f, b, w))
+    a2a = rng.choice([0.5, 1.0])
+    return placement, P, M, Costs(f, b, w, comm=rng.choice([0.0, 0.0, 0.5]), a2a_f=a2a, a2a_b=a2a)
+
+
+EXPOSED_A2A_SEEDS = [2, 5, 6, 7, 13, 18, 22]
+"""Profiles of ``exposed_a2a_profile`` whose optimum CP-SAT proves in a few seconds and that the
+heuristic of the previous version missed by 0.8-5.3 % (docs/schedules.md, the auto section)."""
 def best_hand(placement: str, P: int, M: int, costs: Costs, limit: int) -> float:
     runs = []
     for name in HAND_SCHEDULES[placement]:
@@ -70,7 +89,19 @@ def test_cpsat_proves_fb_pairing_profiles(seed):
     exact, optimum = check_exact(placement, P, M, costs)
     assert any(item.kind == "FB" for ops in exact.ranks for item in ops)
     heuristic = build_schedule("auto", P, M, costs=costs, placement=placement)
-    assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.05 * optimum
+    assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.02 * optimum
+
+
+@pytest.mark.parametrize("seed", EXPOSED_A2A_SEEDS)
+def test_heuristic_within_2_percent_of_proved_optimum_with_exposed_all_to_all(seed):
+    """The issue's test on V and dual placements where FB units hide the all-to-all and the last stage is heavy."""
+    placement, P, M, costs = exposed_a2a_profile(seed)
+    _, optimum = check_exact(placement, P, M, costs)
+    heuristic = build_schedule("auto", P, M, costs=costs, placement=placement)
+    validate(heuristic)
+    lower(heuristic)
+    assert heuristic.meta["makespan"] == simulate(heuristic, costs).makespan
+    assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.02 * optimum
 
 
 def test_time_limit_is_honoured_and_gap_reported():

@@ -11,7 +11,7 @@ exposed all-to-all. ``auto`` builds orders for the measured ``Costs`` instead:
   heuristic's best, returning a proven lower bound;
 * ``policies``: the decisions a list-scheduling walk can take, and the grid tried;
 * ``listsched``: one greedy, event-driven walk (gather candidates -> choose -> apply);
-* ``local``: hill climbing on per-rank orders with named moves;
+* ``local``: hill climbing and simulated annealing on per-rank orders with named moves;
 * ``bound``: a makespan no schedule can beat (work and paths, and the F's that cannot be paired),
   what ``meta["lower_bound"]`` reports unless CP-SAT proves a better one;
 * ``layout``: the per-rank view of a placement from ``schedules.placements``.
@@ -26,10 +26,11 @@ from .bound import lower_bound, unpaired_bound, work_bound
 from .build import build_auto
 from .layout import PLACEMENTS, Layout, memory_limits
 from .listsched import Choice, list_schedule
-from .local import FB_MOVES, MOVES, evaluate, local_search, split_backward
+from .local import ANNEAL_MOVES, FB_MOVES, MOVES, anneal, evaluate, local_search, split_backward
 from .policies import Policy, policies
 from .search import HAND_SCHEDULES
 
 __all__ = ["build_auto", "lower_bound", "unpaired_bound", "work_bound", "Layout", "PLACEMENTS", "memory_limits",
-           "Choice", "list_schedule", "MOVES", "FB_MOVES", "evaluate", "local_search", "split_backward", "Policy",
+           "Choice", "list_schedule", "MOVES", "FB_MOVES", "ANNEAL_MOVES", "anneal", "evaluate", "local_search",
+           "split_backward", "Policy",
            "policies", "HAND_SCHEDULES"]

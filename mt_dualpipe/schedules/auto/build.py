@@ -47,12 +47,14 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     """Search an op order for ``costs`` that fits ``memory_limit`` activations per rank.
 
     ``iterations`` bounds the search: that many randomised list-scheduling walks, then ten times
-    as many local-search moves, at least 1000 (default: one walk per 8 ops of the problem, 10 to
-    200; 0 keeps only the hand schedules and the policy grid).
+    as many local-search moves, at least 1000, and ten times as many annealing steps (default: one
+    walk per 8 ops of the problem, 10 to 200, and annealing steps for about 6 M simulated ops;
+    0 keeps only the hand schedules and the policy grid).
     The search is bounded by ``iterations``, not by the clock, so the result is deterministic for a
-    given seed (about 1-3 s of CPU at P=8, M=24). ``time_budget`` (seconds, default None: no cap)
-    additionally stops any phase once a first valid schedule exists — faster, but then the result
-    depends on the machine's speed (``meta["stopped_by_time_budget"]`` says whether it did).
+    given seed (about 1 s of CPU at P <= 4, M <= 8; 2.5-7 s at P=8, M=24). ``time_budget``
+    (seconds, default None: no cap) additionally stops any phase once a first valid schedule
+    exists — faster, but then the result depends on the machine's speed
+    (``meta["stopped_by_time_budget"]`` says whether it did).
 
     ``solver="cpsat"`` then polishes the heuristic's best with the exact CP-SAT model for up to
     ``time_limit`` seconds (default 10; needs ``pip install mt_dualpipe[solver]``): ``meta`` gets

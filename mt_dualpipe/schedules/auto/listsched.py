@@ -128,6 +128,7 @@ class _Walk:
         next_f, next_b, end, lat = self.next_f, self.next_b, self.end, self.sc.comm
         nk = INF
         mem_blocked = inject_blocked = False
+        arrived: dict[tuple, float] = {}  # (c, s) of a ready F, (c, s, 1) of a ready B -> when its inputs arrived
         for c, s, k, mbs, f_waits, b_waits in self.stages[r]:
             i = next_f[k]
             if i < len(mbs):
@@ -139,6 +140,7 @@ class _Walk:
                         f_soon.append((tf, c, s))
                 elif self._f_allowed(r, c, s):
                     fs.append((c, s, m))
+                    arrived[c, s] = tf
                 else:  # ready, but memory holds it back
                     mem_blocked = True
                     inject_blocked = inject_blocked or s == 0
@@ -148,23 +150,26 @@ class _Walk:
                 tb = _arrival(b_waits, m + m, r, end, lat)
                 if tb <= t:
                     bs.append((c, s, m))
+                    arrived[c, s, 1] = tb
                 else:
                     nk = tb if tb < nk else nk
                     if tb != INF:
                         b_soon.append((tb, c, s))
         ready = Ready(fs, bs, f_soon, b_soon, nk, mem_blocked, inject_blocked, self.wq_head[r] < len(self.wq[r]))
         if len(fs) > 1 or len(bs) > 1:
-            self._order(ready)
+            self._order(ready, arrived)
         return ready
 
-    def _order(self, ready: Ready) -> None:
-        """Best candidates first (deepest B; deepest or shallowest F), shuffled with probability ``noise``."""
+    def _order(self, ready: Ready, arrived: dict[tuple, float]) -> None:
+        """Best candidates first (deepest B; deepest or shallowest F; with ``fifo`` the earliest
+        arrived first, depth breaking ties), shuffled with probability ``noise``."""
         fs, bs = ready.fs, ready.bs
+        fifo = self.policy.fifo
         if len(fs) > 1:
             deep = self.policy.deep_first
-            fs.sort(key=lambda o: (-o[1] if deep else o[1], o[2]))
+            fs.sort(key=lambda o: (arrived[o[0], o[1]] if fifo else 0.0, -o[1] if deep else o[1], o[2]))
         if len(bs) > 1:
-            bs.sort(key=lambda o: (-o[1], o[2]))
+            bs.sort(key=lambda o: (arrived[o[0], o[1], 1] if fifo else 0.0, -o[1], o[2]))
         rng = self.rng
         if rng is not None:
             if len(fs) > 1 and rng.random() < self.noise:

@@ -13,6 +13,7 @@ Order transforms used around it: ``split_backward`` (every BW as B then W: never
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -151,6 +152,31 @@ def _swap_fb_b(ops: list[ComputeItem], i: int, rng: random.Random, window: int) 
     return new
 
 
+def _unpair_spread(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Split an FB unit and move one half a few places later (the other keeps the unit's place).
+
+    The exact schedules of heavy-end profiles unpair a unit whose F feeds the critical path: the
+    F alone ends sooner and the B runs after the next rank's urgent B. Done as ``unpair`` then
+    ``shift`` the first step usually costs more than the second wins back, so hill climbing never
+    takes it; as one move it does.
+    """
+    item = ops[i]
+    if type(item) is not FB or i + 1 >= len(ops):
+        return None
+    first, second = (item.f, item.b) if rng.random() < 0.5 else (item.b, item.f)
+    j = min(len(ops), i + 1 + rng.randint(1, window))
+    return ops[:i] + [first] + ops[i + 1:j] + [second] + ops[j:]
+
+
+def _pair_pull(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Pair a lone F or B with a partner up to two windows later, the unit at the later place.
+
+    The exact schedules hold a micro-batch's F back (the rank idles) to hide its all-to-all in an
+    FB unit with a B that arrives later; ``pair_late`` only looks one window ahead.
+    """
+    return _pair(ops, i, rng, 2 * window, late=True)
+
+
 Move = Callable[[list[ComputeItem], int, random.Random, int], "list[ComputeItem] | None"]
 MOVES: tuple[tuple[str, float, Move], ...] = (
     ("shift", 0.35, _shift),
@@ -170,13 +196,26 @@ FB_MOVES: tuple[tuple[str, float, Move], ...] = (
     ("swap", 0.15, _swap),
 )
 """The moves of the FB polish (backwards already split into B + W; see ``search``)."""
+ANNEAL_MOVES: tuple[tuple[str, float, Move], ...] = (
+    ("shift", 0.25, _shift),
+    ("pair", 0.10, _pair),
+    ("pair_late", 0.05, _pair_late),
+    ("pair_pull", 0.05, _pair_pull),
+    ("unpair", 0.05, _unpair),
+    ("unpair_spread", 0.10, _unpair_spread),
+    ("swap_fb_b", 0.10, _swap_fb_b),
+    ("sink_w", 0.10, _sink_w),
+    ("swap", 0.20, _swap),
+)
+"""The moves of annealing where FB units pay: the FB polish's, plus the compound ``unpair_spread``
+and ``pair_pull`` (one move each for what the exact schedules do in two)."""
 
 
 def _bounds(moves: tuple[tuple[str, float, Move], ...]) -> list[float]:
     return [round(x, 12) for x in accumulate(p for _, p, _ in moves)]
 
 
-_BOUNDS = {id(MOVES): _bounds(MOVES), id(FB_MOVES): _bounds(FB_MOVES)}
+_BOUNDS = {id(m): _bounds(m) for m in (MOVES, FB_MOVES, ANNEAL_MOVES)}
 
 
 def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
@@ -290,6 +329,54 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
         if _better(score, cur):
             ranks, cur, ends = cand, score, res[1]
     return ranks, cur[0]
+
+
+def _anneal_score(ev: Evaluation, P: int) -> float:
+    return ev[0] + 0.1 * sum(ev[1]) / P
+
+
+def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
+           deadline: float | None, moves: tuple[tuple[str, float, Move], ...] = ANNEAL_MOVES,
+           window: int = 6, heat: float = 0.025) -> tuple[Ranks, float]:
+    """Simulated annealing on per-rank orders; the best order seen and its makespan.
+
+    Hill climbing stops where every single move costs something, yet the exact schedules are often
+    two or three moves away on different ranks (unpair a unit here, move a B there). Annealing
+    accepts a worse order with probability ``exp(-loss / T)``, ``T`` falling geometrically from
+    ``heat`` times the start makespan per rank to a hundredth of that (per rank: with more ranks
+    more moves land off the critical path, and a walk as hot as on a small problem drifts away).
+    The score is the makespan plus a tenth of the mean rank end time: a move that lets a
+    non-critical rank finish sooner is a step towards one that shortens the critical rank (as in
+    ``local_search``'s tie-break).
+    """
+    got = evaluate(layout, costs, ranks)
+    if got is None:
+        raise ScheduleError("annealing needs a schedule that runs to completion")
+    P = layout.P
+    cur = _anneal_score(got, P)
+    best, best_key = ranks, (got[0], sum(got[1]))
+    t_hi = heat * got[0] / P
+    cool = 0.01 ** (1.0 / max(1, steps))
+    temp = t_hi
+    table = OpTable(layout.placement, layout.M)
+    for step in range(steps):
+        if deadline is not None and step % 16 == 0 and time.perf_counter() > deadline:
+            break
+        temp *= cool
+        r = rng.randrange(P)
+        cand = neighbour(ranks, rng, r, window, moves)
+        if cand is None or waits_on_later(table, r, cand[r], *_changed_span(ranks[r], cand[r])):
+            continue
+        res = evaluate(layout, costs, cand)
+        if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+            continue
+        new = _anneal_score(res, P)
+        if new <= cur or rng.random() < math.exp((cur - new) / temp):
+            ranks, cur = cand, new
+            key = (res[0], sum(res[1]))
+            if _better(key, best_key):
+                best, best_key = cand, key
+    return best, best_key[0]
 
 
 def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,

@@ -23,6 +23,7 @@ class Policy:
     hold_b: bool = False      # leave the rank idle rather than start an F or W that a B due sooner would wait for
     cap: int = 0              # > 0: at most cap * (stages left in the chain) micro-batches between F and B per stage
     w_eager: bool = False     # run a deferred W before anything else: FB(F+B) then its W, as the exact schedules do
+    fifo: bool = False        # among ready F's (B's), the one whose inputs arrived first: the two chains interleave
 
 
 def _sensible(p: Policy, saves: bool) -> bool:
@@ -48,5 +49,10 @@ def policies(placement: str, costs: StageCosts) -> list[Policy]:
 
 
 def fb_policies(placement: str, costs: StageCosts) -> list[Policy]:
-    """Pairing policies with eager W's: the FB polish's walks (``search``)."""
-    return [replace(p, w_eager=True) for p in policies(placement, costs) if p.pair and p.split and p.w_fill]
+    """Pairing policies with eager W's, in arrival order or not: the FB polish's walks (``search``).
+
+    Arrival order (``fifo``) interleaves the two chains of a rank as the exact schedules do, where
+    depth alone starts one chain's micro-batches back to back and leaves the other's B's unpaired.
+    """
+    return [replace(p, w_eager=True, fifo=fifo) for p in policies(placement, costs) if p.pair and p.split and p.w_fill
+            for fifo in (False, True)]

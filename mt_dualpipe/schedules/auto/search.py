@@ -10,6 +10,9 @@
    exposed all-to-all or a cheaper ``fb``): walks with eager W's, every BW split into B then W
    (never worse: same rank time and memory, gradients out one W sooner), W's pushed late, and a
    local search with ``FB_MOVES``. This is what the exact solver's schedules do differently.
+6. **Annealing** (``local.anneal``) from the few best orders of different makespans: crosses the
+   moves that each cost something alone (unpair a unit here, move a B on the next rank) that the
+   exact schedules are often separated from ours by.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations); the
 search is bounded by iteration counts, not the clock, so a seed gives one result.
@@ -30,13 +33,21 @@ from ..registry import build_schedule
 from ..simulate import run_schedule
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
-from .local import FB_MOVES, in_microbatch_order, local_search, sink_ws, split_backward
+from .local import ANNEAL_MOVES, FB_MOVES, MOVES, anneal, in_microbatch_order, local_search, sink_ws, split_backward
 from .policies import Policy, fb_policies, policies
 
 HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "dualpipev"), "dual": ("dualpipe",)}
 """The hand schedules ``auto`` starts from and must never lose to, per placement."""
 
 Ranks = list[list[ComputeItem]]
+ANNEAL_OP_BUDGET = 6_000_000
+"""Annealing steps times ops per schedule when ``iterations`` is not given: one simulation costs about
+its op count, so this bounds the phase's CPU at any size (30000 steps at most, 1000 at least; about
+1-2 s at P=8, M=24)."""
+ANNEAL_CHAINS = 3
+"""Annealing chains on small problems (at least ``ANNEAL_CHAIN_STEPS`` steps each), each from one of
+the best orders of different makespans found before; larger ones get one longer chain from the best."""
+ANNEAL_CHAIN_STEPS = 5000
 
 
 @dataclass
@@ -99,6 +110,7 @@ class Search:
     out_of_time: bool = False
     walks: int = 0
     scored: list[tuple[float, Policy]] = field(default_factory=list)
+    pool: list[Candidate] = field(default_factory=list)  # the best few distinct orders: annealing's starts
 
     def make(self, ranks: Ranks) -> Schedule:
         lay = self.layout
@@ -123,9 +135,19 @@ class Search:
             return None
         if _improves(got, self.best):
             self.best = Candidate(ranks, got[0], got[1], source)
+        self._pool(Candidate(ranks, got[0], got[1], source))
         if _improves(got, self.best_ordered) and in_microbatch_order(ranks):
             self.best_ordered = Candidate(ranks, got[0], got[1], source)
         return got[0]
+
+    def _pool(self, cand: Candidate) -> None:
+        """Keep the ``ANNEAL_CHAINS`` best orders of different makespans (diverse starts for annealing)."""
+        pool = self.pool
+        if any(abs(c.makespan - cand.makespan) < 1e-9 for c in pool):
+            return
+        pool.append(cand)
+        pool.sort(key=lambda c: (c.makespan, c.peak))
+        del pool[ANNEAL_CHAINS:]
 
     def expired(self) -> bool:
         """True once the deadline passed and a valid order exists (then every phase stops)."""
@@ -209,6 +231,43 @@ def _fb_phase(search: Search, iterations: int, rng: random.Random, walk: Callabl
     search.expired()
 
 
+def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int]:
+    """(chains, steps per chain): ``10 * iterations`` steps in all when given, else from ``ANNEAL_OP_BUDGET``.
+
+    Small problems gain most from diverse starts, larger ones from one long walk (a chain too short
+    to cool down finds little), so there are ``ANNEAL_CHAINS`` chains only when each gets
+    ``ANNEAL_CHAIN_STEPS`` steps.
+    """
+    if iterations is not None:
+        total = 10 * iterations
+    else:
+        total = max(1000, min(30000, ANNEAL_OP_BUDGET // (3 * layout.C * layout.S * layout.M)))
+    chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
+    return chains, total // chains
+
+
+def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) -> None:
+    """Simulated annealing (backwards split), one seeded chain from each of the first orders of ``search.pool``.
+
+    What hill climbing cannot do (docs/schedules.md): the exact schedules are often a few moves
+    away, each of which alone makes the makespan worse (unpair a unit on one rank, move a B on
+    another); annealing crosses those. Starting from orders of different makespans, not only the
+    best, finds more of them on small problems. Only where FB units pay do the FB moves apply.
+    """
+    chains, steps = anneal_plan(search.layout, iterations)
+    if search.expired() or not steps:
+        return
+    moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else MOVES
+    for cand in search.pool[:chains]:
+        start, source = split_backward(cand.ranks), cand.source
+        ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
+                                 steps, search.deadline, moves)
+        if makespan < search.best.makespan - 1e-9:
+            search.consider(ranks, source + "+anneal")
+        if search.expired():
+            return
+
+
 def check_options(costs: object, seed: object, time_budget: object,
                   iterations: object) -> None:
     """``ScheduleError`` naming the first bad option and what is allowed."""
@@ -251,12 +310,14 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
     if search.best is None:
         raise ScheduleError(f"auto found no schedule for P={P}, M={M}, placement={layout.name!r} within "
                             f"memory_limit={limit_value!r}")
+    given = iterations
     if iterations is None:
         iterations = max(10, min(200, layout.C * layout.S * M * P // 8))  # small problems converge in a few walks
     rng = random.Random(seed)
     _walk_phase(search, top, iterations, rng, walk)
     _local_phase(search, iterations, rng)
     _fb_phase(search, iterations, rng, walk)
+    _anneal_phase(search, given, rng)
     meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks,
             "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
     return search, meta
