@@ -22,7 +22,7 @@ _LAZY = {
 }
 
 
-SUBPACKAGES = ("cli", "integrations", "planner", "resilience", "runtime", "schedules", "visualize")
+SUBPACKAGES = ("cli", "integrations", "parallel", "planner", "resilience", "runtime", "schedules", "visualize")
 """Resolved on first use like the names above: ``mt_dualpipe.schedules`` loads no torch, ``runtime`` does."""
 
 

@@ -10,21 +10,54 @@
 * ``checkpoint``: DCP save/load of ZeRO-1 state, reshardable across data-parallel sizes;
 * ``tensor_parallel``: ``parallelize_llama_stage`` — a Llama stage's attention and SwiGLU split
   column-/row-wise over the mesh's tp dimension with ``torch.distributed.tensor.parallel``.
+
+The names below resolve on first use (PEP 562), so importing one submodule — the runtime imports
+``weight_kinds`` in every process — does not load DCP and DTensor (about a second per process).
 """
 
-from .checkpoint import load_training_state, load_zero_state_dict, save_training_state, zero_state_dict
-from .fsdp import FSDPStageSync, fsdp_modules
-from .grad_sync import DEFAULT_BUCKET_BYTES, MODES, GradSync, StageSync, TiedSync, stage_params
-from .layout import ShardLayout
-from .mesh import DIMS, ParallelDims, SyncGroup, default_device_type, init_parallel
-from .tensor_parallel import full_parameters, llama_tp_plan, parallelize_llama_stage
-from .weight_kinds import KINDS, set_weight_kind, weight_kind
-from .zero import PipelineOptimizer, ZeroOptimizer, optimizer_state_bytes
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_BUCKET_BYTES", "DIMS", "KINDS", "MODES", "FSDPStageSync", "GradSync", "ParallelDims",
-    "PipelineOptimizer", "ShardLayout", "StageSync", "SyncGroup", "TiedSync", "ZeroOptimizer",
-    "default_device_type", "fsdp_modules", "full_parameters", "init_parallel", "llama_tp_plan",
-    "load_training_state", "load_zero_state_dict", "optimizer_state_bytes", "parallelize_llama_stage",
-    "save_training_state", "set_weight_kind", "stage_params", "weight_kind", "zero_state_dict",
-]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "load_training_state": "checkpoint",
+    "load_zero_state_dict": "checkpoint",
+    "save_training_state": "checkpoint",
+    "zero_state_dict": "checkpoint",
+    "FSDPStageSync": "fsdp",
+    "fsdp_modules": "fsdp",
+    "DEFAULT_BUCKET_BYTES": "grad_sync",
+    "GradSync": "grad_sync",
+    "MODES": "grad_sync",
+    "StageSync": "grad_sync",
+    "TiedSync": "grad_sync",
+    "stage_params": "grad_sync",
+    "ShardLayout": "layout",
+    "DIMS": "mesh",
+    "ParallelDims": "mesh",
+    "SyncGroup": "mesh",
+    "default_device_type": "mesh",
+    "init_parallel": "mesh",
+    "full_parameters": "tensor_parallel",
+    "llama_tp_plan": "tensor_parallel",
+    "parallelize_llama_stage": "tensor_parallel",
+    "KINDS": "weight_kinds",
+    "set_weight_kind": "weight_kinds",
+    "weight_kind": "weight_kinds",
+    "PipelineOptimizer": "zero",
+    "ZeroOptimizer": "zero",
+    "optimizer_state_bytes": "zero",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

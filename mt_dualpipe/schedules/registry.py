@@ -104,7 +104,14 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
 
 
 def accepts(name: str, num_ranks: int, num_microbatches: int, **options: object) -> str | None:
-    """None if ``name`` can be built for these parameters, else the reason it cannot."""
+    """None if ``name`` can be built for these parameters, else the reason it cannot.
+
+    A searching schedule (one with an ``iterations`` option: ``auto``) is built with
+    ``iterations=0`` unless given: whether it *can* be built does not depend on how long it searches,
+    and the full search (seconds) would make this check cost as much as the build.
+    """
+    if "iterations" in schedule_info(name).options:
+        options = {"iterations": 0, **options}
     try:
         build_schedule(name, num_ranks, num_microbatches, **options)
     except ScheduleError as exc:

@@ -106,6 +106,7 @@ def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
     assert data["loss"][4] != clean_loss[4]
 
 
+@pytest.mark.slow  # tests/resilience/test_rewind_mesh.py covers an exception with rebuild by default
 def test_inject_error_with_expert_parallelism_rebuilds_and_rewinds(tmp_path):
     """An exception on one rank of a 2 x ep 2 run: its EP partner's all-to-all times out (instead of blocking
     forever), every rank rebuilds its pipeline and EP groups, rewinds once and finishes the run."""

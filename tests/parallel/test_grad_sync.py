@@ -136,14 +136,18 @@ def _mirrored(rank: int, world: int, mode: str) -> dict:
             "group_ranks": {s: groups[s].ranks for s in groups}, "divide_by": groups[0].divide_by}
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "zero1"])
-def test_mirrored_stages_sum_copies_once_and_average_replicas(mode):
-    out = run_ranks(_mirrored, 4, mode, timeout=90)
+def _mirrored_both_modes(rank: int, world: int) -> dict:
+    return {mode: _mirrored(rank, world, mode) for mode in ("allreduce", "zero1")}
+
+
+def test_mirrored_stages_sum_copies_once_and_average_replicas():
+    out = run_ranks(_mirrored_both_modes, 4, timeout=150)
     ref = reference(STEPS, "adamw")
-    for r in out:
-        assert r["group_ranks"] == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)} and r["divide_by"] == 2
-        for got, want in zip(r["params"], ref.parameters()):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12)
+    for o in out:
+        for mode, r in o.items():
+            assert r["group_ranks"] == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)} and r["divide_by"] == 2, mode
+            for got, want in zip(r["params"], ref.parameters()):
+                torch.testing.assert_close(got, want.detach(), rtol=1e-10, atol=1e-12, msg=mode)
 
 
 def _errors(rank: int, world: int) -> list[str]:

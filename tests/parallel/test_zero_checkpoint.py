@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mt_dualpipe.parallel import GradSync, ZeroOptimizer, load_training_state, save_training_state
@@ -91,6 +92,7 @@ def test_zero1_dp2_checkpoint_loads_at_dp1(tmp_path):
             _close(a, b)
 
 
+@pytest.mark.slow  # the reverse runs by default, and through Rewind in tests/resilience/test_checkpoint_mesh.py
 def test_dp1_checkpoint_loads_into_zero1_at_dp2(tmp_path):
     saved, state, after = _reference()
     run_ranks(_save, 1, str(tmp_path / "ckpt"), False, timeout=60)

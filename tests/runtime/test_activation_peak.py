@@ -107,9 +107,14 @@ def _check_planner(kind: str, schedule: str, res: list[dict]) -> None:
             assert est[r] == pytest.approx(got, rel=0.10), (schedule, policy, r, est[r], got)
 
 
-@pytest.mark.parametrize("kind", ["deepseek", "llama"])
-def test_recorded_peak_equals_meter_on_1f1b_and_matches_the_planner(kind):
-    res = run_ranks(_peaks_worker, 2, kind, ("1f1b",), timeout=300)
+@pytest.fixture(scope="module", params=["deepseek", "llama"])
+def linear_peaks(request) -> tuple[str, list]:
+    """1F1B and ZB-H1 recorded in one spawn per model (process start-up dominates a case)."""
+    return request.param, run_ranks(_peaks_worker, 2, request.param, ("1f1b", "zb-h1"), timeout=300)
+
+
+def test_recorded_peak_equals_meter_on_1f1b_and_matches_the_planner(linear_peaks):
+    kind, res = linear_peaks
     print(f"\n{kind} 1f1b (recorded, meter, in-flight) per rank: {res}")
     for r, got in enumerate(res):
         for policy in POLICIES:
@@ -122,9 +127,8 @@ def test_recorded_peak_equals_meter_on_1f1b_and_matches_the_planner(kind):
     _check_planner(kind, "1f1b", res)
 
 
-@pytest.mark.parametrize("kind", ["deepseek", "llama"])
-def test_deferred_w_keeps_linear_inputs_counted_until_w_and_the_planner_counts_them(kind):
-    res = run_ranks(_peaks_worker, 2, kind, ("zb-h1",), timeout=300)
+def test_deferred_w_keeps_linear_inputs_counted_until_w_and_the_planner_counts_them(linear_peaks):
+    kind, res = linear_peaks
     print(f"\n{kind} zb-h1 (recorded, meter, in-flight) per rank: {res}")
     for r, got in enumerate(res):
         for policy in POLICIES:
