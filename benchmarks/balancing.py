@@ -115,6 +115,7 @@ def _ep_worker(rank: int, world: int, port: int, jobs: list, batches: list[torch
         results = {name: train(config, batches, lr, dist.group.WORLD) for name, config in jobs}
         if rank == 0:
             torch.save(results, out_path)
+        dist.barrier()  # no rank tears its gloo connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
 

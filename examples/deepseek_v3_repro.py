@@ -792,6 +792,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
             if args.summary:
                 Path(args.summary).write_text(json.dumps(summary, indent=1))
                 print(f"summary written to {args.summary}")
+        dist.barrier()  # no rank tears its gloo connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
 

@@ -146,6 +146,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str, out: di
         runs = {p: train_one(args, p, rank, world) for p in (args.baseline, "fp8")}
         if rank == 0:
             out.update(runs)
+        dist.barrier()  # no rank tears its gloo connections down while its peer still uses them
     finally:
         dist.destroy_process_group()
 

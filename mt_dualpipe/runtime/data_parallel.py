@@ -20,6 +20,7 @@ stages are refused with a message pointing here.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,9 +151,22 @@ def _declared(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
 
 
 def _gathered(payload: Any, group: dist.ProcessGroup) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, payload, group=group)
-    return out
+    """Every rank's ``payload`` (picklable), by two plain ``all_gather``s of CPU tensors (sizes, then bytes).
+
+    Not ``dist.all_gather_object``: on gloo with torch 2.13 a process that called it aborted at exit
+    now and then ("terminate called without an active exception", about one run in four of
+    examples/llama_fp8.py); these two tensor collectives do the same exchange without that.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
+    n = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(t.item()) for t in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    got = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(got, padded, group=group)
+    return [pickle.loads(t[: int(k.item())].numpy().tobytes()) for t, k in zip(got, sizes)]
 
 
 def find_ties(modules: Sequence[nn.Module], local: Sequence[tuple[int, int]], group: dist.ProcessGroup,
