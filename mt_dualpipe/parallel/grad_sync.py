@@ -53,7 +53,23 @@ def stage_params(module: nn.Module | Iterable[nn.Parameter]) -> list[nn.Paramete
     return out
 
 
-class GradSync:
+class _ReductionState:
+    """The ``idle -> started -> done`` state every sync object behind a ``REDUCE_GRAD`` keeps."""
+
+    _state = "idle"
+
+    @property
+    def pending(self) -> bool:
+        """True between ``start()`` and ``wait()``."""
+        return self._state == "started"
+
+    @property
+    def synced(self) -> bool:
+        """True after ``wait()`` until the next ``start()``: the reduced gradients are in place."""
+        return self._state == "done"
+
+
+class GradSync(_ReductionState):
     """Bucketed asynchronous gradient reduction of one stage over a data-parallel ``group``.
 
     ``divide_by`` is what the summed gradient is divided by (default: the group size; use
@@ -91,16 +107,6 @@ class GradSync:
         self._works: list[dist.Work] = []
         self._state = "idle"  # idle -> started -> done
         self.collectives_posted = 0  # per instance, for tests and timelines
-
-    @property
-    def pending(self) -> bool:
-        """True between ``start()`` and ``wait()``."""
-        return self._state == "started"
-
-    @property
-    def synced(self) -> bool:
-        """True after ``wait()`` until the next ``start()``: the reduced gradients are in place."""
-        return self._state == "done"
 
     def begin_step(self) -> None:
         """Before the stage's first F: a reduction that a failed step left pending is abandoned (the
@@ -174,7 +180,7 @@ class GradSync:
         return [torch.zeros(b.shard_numel, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
 
 
-class TiedSync:
+class TiedSync(_ReductionState):
     """The gradient of weights tied across pipeline stages (a shared embedding / LM head), summed once per step.
 
     ``copies[i]`` are this rank's copies of tied weight ``i`` (one per local stage holding it; the
@@ -260,14 +266,6 @@ class TiedSync:
                     other.grad = None if rep.grad is None else rep.grad.clone()
         self._state = "done"
 
-    @property
-    def pending(self) -> bool:
-        return self._state == "started"
-
-    @property
-    def synced(self) -> bool:
-        return self._state == "done"
-
     @torch.no_grad()
     def copy_to_copies(self) -> None:
         """After the representative was stepped: make every other local copy equal to it."""
@@ -276,7 +274,7 @@ class TiedSync:
                 other.copy_(rep)
 
 
-class StageSync:
+class StageSync(_ReductionState):
     """Everything one stage reduces at its REDUCE_GRAD: one ``GradSync`` per weight kind, and its ties.
 
     ``parts``: e.g. the dense weights over copies x dp x ep and the expert weights over copies x dp
@@ -296,14 +294,6 @@ class StageSync:
     def collectives_posted(self) -> int:
         """Collectives this stage's own parts posted (a tie's are counted on its ``TiedSync``)."""
         return sum(p.collectives_posted for p in self.parts)
-
-    @property
-    def pending(self) -> bool:
-        return self._state == "started"
-
-    @property
-    def synced(self) -> bool:
-        return self._state == "done"
 
     def begin_step(self) -> None:
         for p in self.parts:
