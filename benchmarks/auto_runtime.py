@@ -25,17 +25,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from local_ranks import run_local  # noqa: E402  (benchmarks/, the script's own folder)
 
 HANDS = ("dualpipev", "zbv")
 """Hand schedules of the V placement (the placement ``auto`` searches with ``placement="v"``)."""
@@ -174,29 +173,7 @@ def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """The benchmark on ``args.ranks`` local gloo ranks; rank 0's result. A rank that dies fails it at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, q)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + args.timeout
-    while True:
-        try:
-            result = q.get(timeout=1)
-            break
-        except queue.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"benchmark failed: rank(s) {dead} exited with an error" if dead
-                                 else f"benchmark timed out after {args.timeout} s") from None
-    for p in procs:
-        p.join()
-    return result
+    return run_local(worker, args.ranks, (args,), args.timeout)
 
 
 def table(result: dict, args: argparse.Namespace):

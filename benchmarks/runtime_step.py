@@ -18,19 +18,18 @@ import argparse
 import copy
 import datetime
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from local_ranks import run_local  # noqa: E402  (benchmarks/, the script's own folder)
 
 ROUNDS = 3
 PAIRS = [("dualpipev", "ScheduleDualPipeV"), ("zbv", "ScheduleZBVZeroBubble"), ("1f1b", "Schedule1F1B")]
@@ -204,30 +203,7 @@ def worker(rank, P, port, M, hidden, rows, steps, out):
 
 def run(ranks: int, args: argparse.Namespace) -> list[dict]:
     """One benchmark on ``ranks`` local gloo ranks; rank 0's rows. A rank that dies fails it at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, ranks, port, args.chunks, args.hidden, args.rows, args.steps, q))
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            rows = q.get(timeout=1)
-            break
-        except queue.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"benchmark failed: rank(s) {dead} exited with an error" if dead
-                                 else "benchmark timed out after 900 s") from None
-    for p in procs:
-        p.join()
-    return rows
+    return run_local(worker, ranks, (args.chunks, args.hidden, args.rows, args.steps), 900)
 
 
 def table(ranks: int, rows: list[dict], args: argparse.Namespace, cores: int):
