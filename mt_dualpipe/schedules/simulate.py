@@ -9,6 +9,7 @@ as docs/schedules.md defines them: +1 when a stage's F starts, -1 when its W or 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -72,8 +73,14 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
     placement = schedule.placement
     if len({len(c) for c in placement}) != 1:
         raise ScheduleError("all chains of a schedule must have the same number of stages to be simulated")
-    walk = _Walk(schedule, costs.per_stage(len(placement[0])), record, starts_out, ends_out)
+    trace = [[] for _ in schedule.ranks] if starts_out is not None or ends_out is not None else None
+    walk = _Walk(schedule, costs.per_stage(len(placement[0])), record, trace)
     walk.run()
+    for r, items in enumerate(trace or ()):
+        if starts_out is not None:
+            starts_out[r].extend(e[0] for e in items)
+        if ends_out is not None:
+            ends_out[r].extend(e[1] for e in items)
     P, busy, compute_end = schedule.num_ranks, walk.column(4), walk.column(1)
     now = [max(t, walk.comm_end[r]) for r, t in enumerate(compute_end)]  # a step ends when its reductions do
     makespan = max(now) if P else 0.0
@@ -91,11 +98,11 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
 class _Walk:
     """The event walk's state: per rank [position, clock, live, peak, busy]; per signal its end time."""
 
-    def __init__(self, schedule: Schedule, sc: StageCosts, record: bool,
-                 starts_out: list[list[float]] | None, ends_out: list[list[float]] | None) -> None:
+    def __init__(self, schedule: Schedule, sc: StageCosts, record: bool, trace: list[list[tuple]] | None) -> None:
         P = schedule.num_ranks
         placement = schedule.placement
         self.S, self.M = len(placement[0]), schedule.num_microbatches
+        self.sc = sc
         self.fb_cost = sc.fb_cost
         self.templates = _walk_table(placement, self.M, sc)
         self.rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
@@ -106,13 +113,13 @@ class _Walk:
         self.first: list[float | None] = [None] * P
         self.events: list[TimelineEvent] = []
         self.record = record
-        self.starts_out, self.ends_out = starts_out, ends_out
+        self.trace = trace  # per rank, per item run: (start, end, live, peak, busy) after it
         self.stack = list(range(P))
         self.posts: list[tuple[int, int, int, float]] = []  # collective ops: (rank, chain, stage, post time)
         self.dp_sync = sc.dp_sync
         # what every resume of a rank reads, bound once
         self.ctx = (self.templates, self.end_of, self.waiters, self.stack, self.S,
-                    self.events if record else None, starts_out, ends_out, self.blocked_on, self.posts)
+                    self.events if record else None, self.blocked_on, self.posts, trace)
 
     def column(self, k: int) -> list:
         """One per-rank counter (1 clock, 2 live, 3 peak, 4 busy) as a list over ranks."""
@@ -159,7 +166,7 @@ class _Walk:
         The rank's counters live in locals here and are written back when it parks, finishes or
         hands an FB unit to ``run_fb``.
         """
-        templates, end_of, waiters, stack, S, events, starts_out, ends_out, blocked_on, posts = self.ctx
+        templates, end_of, waiters, stack, S, events, blocked_on, posts, trace = self.ctx
         ops, st = self.rank_ops[r], self.state[r]
         i, t_now, live, peak, busy = st
         nops = len(ops)
@@ -206,10 +213,9 @@ class _Walk:
                     stack.extend(w)
             if events is not None and made != COLLECTIVE:
                 events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
-            if starts_out is not None:
-                starts_out[r].append(start)
-                ends_out[r].append(t_now)
             busy += dur
+            if trace is not None:
+                trace[r].append((start, t_now, live, peak, busy))
             i += 1
         st[:] = i, t_now, live, peak, busy
 
@@ -254,13 +260,72 @@ class _Walk:
                 self.make(made + m + m, end)
         if self.record:
             self.events.append(TimelineEvent(r, "FB", fc, fs, fm, start, end, (bk, bc, bs, bm)))
-        if self.starts_out is not None:
-            self.starts_out[r].append(start)
-            self.ends_out[r].append(end)
         if not i:
             self.first[r] = start
         st[:] = i + 1, end, live - ff - fbb, max(peak, live), busy + dur
+        if self.trace is not None:
+            self.trace[r].append((start, end, st[2], st[3], st[4]))
         return True
+
+
+class Replay:
+    """A simulated compute-only order that re-simulates copies changed on one rank from where the change starts.
+
+    Local search and annealing (``schedules.auto``) simulate thousands of orders that differ from
+    the current one on a single rank, from some index on. No op that starts before the old op at
+    that index starts can depend on it (its inputs ended before it started, so they started
+    earlier still, and the rank's earlier ops are the same), so every op of every rank that
+    started before that moment keeps its times, memory and signals: ``changed`` restores that
+    state from the kept trace and walks only the rest — on average about half of the ops. The
+    result is the same as ``run_schedule`` on the changed order (tested op for op).
+    Orders with ``REDUCE_GRAD`` are not replayed (their reductions run after the walk).
+    """
+
+    def __init__(self, schedule: Schedule, costs: Costs, _walk: _Walk | None = None) -> None:
+        self.schedule = schedule
+        self.costs = costs
+        if _walk is None:
+            _walk = _Walk(schedule, costs.per_stage(len(schedule.placement[0])), False,
+                          [[] for _ in range(schedule.num_ranks)])
+            _walk.run()
+        if _walk.posts:
+            raise ScheduleError("Replay simulates compute ops only; this order has REDUCE_GRAD ops")
+        self._walk = _walk
+        self.rank_end = _walk.column(1)
+        self.peak_activations = _walk.column(3)
+        self.makespan = max(self.rank_end) if self.rank_end else 0.0
+
+    def changed(self, ranks: list[list], rank: int, index: int) -> Replay:
+        """The replay of ``ranks``: this order with ``rank``'s items from ``index`` on changed (same ops).
+
+        Raises ``ScheduleError`` on deadlock, like ``run_schedule``.
+        """
+        old = self._walk
+        trace = old.trace
+        t0 = trace[rank][index][0] if index < len(trace[rank]) else float("inf")
+        keep = [bisect_left(tr, t0, key=_start_of) for tr in trace]
+        keep[rank] = min(keep[rank], index)
+        sched = Schedule(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches,
+                         self.schedule.placement, self.schedule.microbatch_chain, ranks)
+        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)])
+        end_of, templates, S = walk.end_of, walk.templates, walk.S
+        end_of[:] = old.end_of
+        for r, k in enumerate(keep):
+            for item in old.rank_ops[r][k:]:  # what the replayed ops make is not made yet
+                for op in (item if type(item) is FB else (item,)):
+                    made = templates[op[0]][op[1] * S + op[2]][1]
+                    if made >= 0:
+                        end_of[made + 2 * op[3]] = -1.0
+            if k:
+                _, clock, live, peak, busy = trace[r][k - 1]
+                walk.state[r][:] = k, clock, live, peak, busy
+                walk.first[r] = trace[r][0][0]
+        walk.run()
+        return Replay(sched, self.costs, walk)
+
+
+def _start_of(entry: tuple) -> float:
+    return entry[0]
 
 
 _TABLES: OrderedDict[tuple, dict] = OrderedDict()

@@ -35,7 +35,7 @@ from mt_dualpipe.schedules.auto import (
 )
 from mt_dualpipe.schedules.auto.bound import unpaired_bound, work_bound
 from mt_dualpipe.schedules.auto.local import FB_MOVES, neighbour, sink_ws, split_backward, waits_on_later
-from mt_dualpipe.schedules.auto.search import anneal_plan
+from mt_dualpipe.schedules.auto.search import ANNEAL_OP_BUDGET, anneal_plan
 from mt_dualpipe.schedules.ir import FB, Op
 from mt_dualpipe.schedules.ops import OpKind, OpTable, parts
 from mt_dualpipe.schedules.simulate import run_schedule
@@ -252,6 +252,37 @@ def test_pairing_policy_makes_fb_units():
     assert Choice(OpKind.FB, (0, 0, 1), (0, 7, 0)).b == (0, 7, 0)
 
 
+def _in_flight_peaks(layout: Layout, ranks) -> list[int]:
+    """Per (chain * S + stage): the most micro-batches between F and B, counted in program order."""
+    now = [0] * (layout.C * layout.S)
+    peak = list(now)
+    for ops in ranks:
+        for item in ops:
+            for op in parts(item):
+                k = op.chain * layout.S + op.stage
+                if op.kind == OpKind.F:
+                    now[k] += 1
+                    peak[k] = max(peak[k], now[k])
+                elif op.kind in (OpKind.B, OpKind.BW):
+                    now[k] -= 1
+    return peak
+
+
+def test_stage_caps_bound_each_stage_warm_up():
+    """``Policy.stage_caps`` (what the caps descent of ``search`` tunes): no stage runs more micro-batches
+    ahead of its B than its cap; without caps the same walk runs deeper."""
+    layout = Layout.named("dual", 3, 8)
+    sc = Costs(1, 1.5, 1, a2a_f=1, a2a_b=1).per_stage(layout.S)
+    pol = Policy(pair=True, w_eager=True)
+    free = _in_flight_peaks(layout, list_schedule(layout, sc, [8] * 3, pol))
+    caps = tuple(max(1, x - 2) for x in free)
+    capped = list_schedule(layout, sc, [8] * 3, replace(pol, stage_caps=caps))
+    got = _in_flight_peaks(layout, capped)
+    assert all(g <= c for g, c in zip(got, caps)) and got != free
+    assert any(g == c < f for g, c, f in zip(got, caps, free))  # a cap that binds is reached
+    validate(Schedule("auto", 3, 8, layout.placement, layout.microbatch_chain, capped))
+
+
 def test_moves_are_named_and_sum_to_one():
     assert [name for name, _, _ in MOVES] == ["shift", "pair", "unpair", "split_bw", "swap"]
     assert [name for name, _, _ in FB_MOVES] == ["shift", "pair", "pair_late", "unpair", "swap_fb_b", "sink_w", "swap"]
@@ -301,8 +332,8 @@ def test_anneal_never_returns_worse_and_keeps_the_limit():
 
 def test_anneal_plan_many_short_chains_small_one_long_chain_large():
     """Three chains from diverse starts on small problems, one long chain on large ones; ``iterations`` caps it."""
-    assert anneal_plan(Layout.named("v", 2, 4), None) == (3, 10000)  # 6 M / 48 ops, capped at 30 000
-    assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, 6_000_000 // 1152)
+    assert anneal_plan(Layout.named("v", 2, 4), None) == (3, 10000)  # budget / 48 ops, capped at 30 000
+    assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, ANNEAL_OP_BUDGET // 1152)
     assert anneal_plan(Layout.named("v", 8, 24), 15) == (1, 150)
     assert anneal_plan(Layout.named("v", 2, 4), 0) == (1, 0)
 

@@ -108,9 +108,10 @@ class _Walk:
 
     # ----- 1. gather ---------------------------------------------------------------------------
     def _f_allowed(self, r: int, c: int, s: int) -> bool:
-        layout, cap = self.layout, self.policy.cap
+        layout, cap, caps = self.layout, self.policy.cap, self.policy.stage_caps
         k = c * layout.S + s
-        if cap and self.next_f[k] - self.next_b[k] >= cap * (layout.S - s):
+        in_flight = self.next_f[k] - self.next_b[k]
+        if (cap and in_flight >= cap * (layout.S - s)) or (caps and in_flight >= caps[k]):
             return False
         if not self.policy.reserve:
             return self.live[r] < self.limits[r]

@@ -23,7 +23,7 @@ from ..costs import Costs
 from ..errors import ScheduleError
 from ..ir import FB, ComputeItem, Op, Schedule
 from ..ops import OpKind, OpTable, parts
-from ..simulate import run_schedule
+from ..simulate import Replay, run_schedule
 from .layout import Layout
 
 Ranks = list[list[ComputeItem]]
@@ -38,6 +38,26 @@ def evaluate(layout: Layout, costs: Costs, ranks: Ranks) -> Evaluation | None:
     except ScheduleError:
         return None
     return res.makespan, res.rank_end, res.peak_activations
+
+
+def _replay(layout: Layout, costs: Costs, ranks: Ranks, what: str) -> Replay:
+    """The ``Replay`` of a start order; ``ScheduleError`` naming ``what`` needs it if it deadlocks."""
+    sched = Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
+    try:
+        return Replay(sched, costs)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{what} needs a schedule that runs to completion") from exc
+
+
+def _try(base: Replay, cand: Ranks, r: int, lo: int, limits: list[int]) -> Replay | None:
+    """``base`` re-simulated with rank ``r`` changed from ``lo`` on; None on deadlock or over a limit."""
+    try:
+        res = base.changed(cand, r, lo)
+    except ScheduleError:
+        return None
+    if any(p > lim for p, lim in zip(res.peak_activations, limits)):
+        return None
+    return res
 
 
 # ----- moves: each takes (rank's ops, index, rng, window) and returns a new order or None --------
@@ -306,10 +326,8 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
                  steps: int, deadline: float | None,
                  moves: tuple[tuple[str, float, Move], ...] = MOVES, window: int = 6) -> tuple[Ranks, float]:
     """Hill-climb on per-rank orders for ``steps`` moves (or until ``deadline``); the best order and makespan."""
-    got = evaluate(layout, costs, ranks)
-    if got is None:
-        raise ScheduleError("local search needs a schedule that runs to completion")
-    cur, ends = (got[0], sum(got[1])), got[1]
+    base = _replay(layout, costs, ranks, "local search")
+    cur, ends = (base.makespan, sum(base.rank_end)), base.rank_end
     P = layout.P
     table = OpTable(layout.placement, layout.M)
     late: list[int] = []
@@ -320,24 +338,35 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
             late = sorted(range(P), key=lambda x: -ends[x])[:max(1, P // 2)]
         r = rng.choice(late) if rng.random() < 0.5 else rng.randrange(P)
         cand = neighbour(ranks, rng, r, window, moves)
-        if cand is None or waits_on_later(table, r, cand[r], *_changed_span(ranks[r], cand[r])):
+        if cand is None:
             continue
-        res = evaluate(layout, costs, cand)
-        if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+        lo, hi = _changed_span(ranks[r], cand[r])
+        if waits_on_later(table, r, cand[r], lo, hi):
             continue
-        score = (res[0], sum(res[1]))
+        res = _try(base, cand, r, lo, limits)
+        if res is None:
+            continue
+        score = (res.makespan, sum(res.rank_end))
         if _better(score, cur):
-            ranks, cur, ends = cand, score, res[1]
+            ranks, cur, ends, base = cand, score, res.rank_end, res
     return ranks, cur[0]
 
 
-def _anneal_score(ev: Evaluation, P: int) -> float:
-    return ev[0] + 0.1 * sum(ev[1]) / P
+ANNEAL_HEAT = 0.006
+"""The start temperature as a fraction of the start makespan per rank. Measured on the 45 small
+profiles CP-SAT proves and the P=8, M=24 grid (docs/schedules.md): 0.025 accepted so many
+makespan losses that a chain spent most of its steps climbing back (P=8 dual, exposed all-to-all
+1.0 of F: 98-99 at 5,000 steps); 0.006 is nearly greedy on the makespan and random on the
+tie-break (a tenth of the mean rank end), which is where the better orders are found (95-97)."""
+
+
+def _anneal_score(run: Replay, P: int) -> float:
+    return run.makespan + 0.1 * sum(run.rank_end) / P
 
 
 def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
            deadline: float | None, moves: tuple[tuple[str, float, Move], ...] = ANNEAL_MOVES,
-           window: int = 6, heat: float = 0.025) -> tuple[Ranks, float]:
+           window: int = 6, heat: float = ANNEAL_HEAT) -> tuple[Ranks, float]:
     """Simulated annealing on per-rank orders; the best order seen and its makespan.
 
     Hill climbing stops where every single move costs something, yet the exact schedules are often
@@ -349,13 +378,11 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     non-critical rank finish sooner is a step towards one that shortens the critical rank (as in
     ``local_search``'s tie-break).
     """
-    got = evaluate(layout, costs, ranks)
-    if got is None:
-        raise ScheduleError("annealing needs a schedule that runs to completion")
+    base = _replay(layout, costs, ranks, "annealing")
     P = layout.P
-    cur = _anneal_score(got, P)
-    best, best_key = ranks, (got[0], sum(got[1]))
-    t_hi = heat * got[0] / P
+    cur = _anneal_score(base, P)
+    best, best_key = ranks, (base.makespan, sum(base.rank_end))
+    t_hi = heat * base.makespan / P
     cool = 0.01 ** (1.0 / max(1, steps))
     temp = t_hi
     table = OpTable(layout.placement, layout.M)
@@ -365,15 +392,18 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         temp *= cool
         r = rng.randrange(P)
         cand = neighbour(ranks, rng, r, window, moves)
-        if cand is None or waits_on_later(table, r, cand[r], *_changed_span(ranks[r], cand[r])):
+        if cand is None:
             continue
-        res = evaluate(layout, costs, cand)
-        if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+        lo, hi = _changed_span(ranks[r], cand[r])
+        if waits_on_later(table, r, cand[r], lo, hi):
+            continue
+        res = _try(base, cand, r, lo, limits)
+        if res is None:
             continue
         new = _anneal_score(res, P)
         if new <= cur or rng.random() < math.exp((cur - new) / temp):
-            ranks, cur = cand, new
-            key = (res[0], sum(res[1]))
+            ranks, cur, base = cand, new, res
+            key = (res.makespan, sum(res.rank_end))
             if _better(key, best_key):
                 best, best_key = cand, key
     return best, best_key[0]
@@ -387,10 +417,8 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
     sooner; one pass over the W's (last first), moving each to the end of its rank and keeping the
     move when (makespan, sum of rank end times) does not grow.
     """
-    got = evaluate(layout, costs, ranks)
-    if got is None:
-        raise ScheduleError("sink_ws needs a schedule that runs to completion")
-    cur = (got[0], sum(got[1]))
+    base = _replay(layout, costs, ranks, "sink_ws")
+    cur = (base.makespan, sum(base.rank_end))
     for r in range(layout.P):
         ws = [item for item in ranks[r] if type(item) is Op and item.kind == OpKind.W]
         for w in reversed(ws):
@@ -403,10 +431,10 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
             new = ops[:i] + ops[i + 1:] + [w]
             cand = list(ranks)
             cand[r] = new
-            res = evaluate(layout, costs, cand)
-            if res is None or any(p > lim for p, lim in zip(res[2], limits)):
+            res = _try(base, cand, r, i, limits)
+            if res is None:
                 continue
-            score = (res[0], sum(res[1]))
+            score = (res.makespan, sum(res.rank_end))
             if _better(score, cur):
-                ranks, cur = cand, score
+                ranks, cur, base = cand, score, res
     return ranks, cur[0]

@@ -24,6 +24,7 @@ class Policy:
     cap: int = 0              # > 0: at most cap * (stages left in the chain) micro-batches between F and B per stage
     w_eager: bool = False     # run a deferred W before anything else: FB(F+B) then its W, as the exact schedules do
     fifo: bool = False        # among ready F's (B's), the one whose inputs arrived first: the two chains interleave
+    stage_caps: tuple[int, ...] = ()  # per (chain * S + stage): at most this many micro-batches between F and B
 
 
 def _sensible(p: Policy, saves: bool) -> bool:

@@ -33,21 +33,42 @@ from ..registry import build_schedule
 from ..simulate import run_schedule
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
-from .local import ANNEAL_MOVES, FB_MOVES, MOVES, anneal, in_microbatch_order, local_search, sink_ws, split_backward
+from .local import (
+    ANNEAL_HEAT,
+    ANNEAL_MOVES,
+    FB_MOVES,
+    MOVES,
+    anneal,
+    in_microbatch_order,
+    local_search,
+    sink_ws,
+    split_backward,
+)
 from .policies import Policy, fb_policies, policies
 
 HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "dualpipev"), "dual": ("dualpipe",)}
 """The hand schedules ``auto`` starts from and must never lose to, per placement."""
 
 Ranks = list[list[ComputeItem]]
-ANNEAL_OP_BUDGET = 6_000_000
-"""Annealing steps times ops per schedule when ``iterations`` is not given: one simulation costs about
-its op count, so this bounds the phase's CPU at any size (30000 steps at most, 1000 at least; about
-1-2 s at P=8, M=24)."""
+ANNEAL_OP_BUDGET = 18_000_000
+"""Annealing steps times ops per schedule when ``iterations`` is not given: a step re-simulates about
+half of its ops (``simulate.Replay``), so this bounds the phase's CPU at any size (30000 steps at
+most, 1000 at least; about 26000 steps and 3-5 s at P=8, M=24, where the last thousands of steps
+still find better orders: dual placement, exposed all-to-all 1.0 of F, 15000 steps 95-97, 30000
+steps 94-96, the bound being 94)."""
+WALK_OP_BUDGET = 60_000
+"""Randomised walks times ops per schedule when ``iterations`` is not given (200 walks at most,
+10 at least): on large problems annealing finds more in the same time than more walks do."""
 ANNEAL_CHAINS = 3
 """Annealing chains on small problems (at least ``ANNEAL_CHAIN_STEPS`` steps each), each from one of
 the best orders of different makespans found before; larger ones get one longer chain from the best."""
-ANNEAL_CHAIN_STEPS = 5000
+ANNEAL_CHAIN_STEPS = 10000
+ANNEAL_HEATS = (ANNEAL_HEAT, 0.025, 0.0125)
+"""The start temperature of each chain in turn (a single chain gets the first): which one finds an
+instance's optimum varies (on the small proved profiles 0.006 is best most often, on some 0.025
+alone finds it), so the chains of a small problem run a portfolio of them."""
+CAPS_FULL_RANGE = 64
+"""Up to this sum of per-stage limits the caps descent tries every cap value, above it the current +- 2."""
 
 
 @dataclass
@@ -111,6 +132,7 @@ class Search:
     walks: int = 0
     scored: list[tuple[float, Policy]] = field(default_factory=list)
     pool: list[Candidate] = field(default_factory=list)  # the best few distinct orders: annealing's starts
+    capped: Candidate | None = None  # the best order of the per-stage caps descent: another start
 
     def make(self, ranks: Ranks) -> Schedule:
         lay = self.layout
@@ -206,7 +228,8 @@ def _pairing_saves(layout: Layout, costs: Costs) -> bool:
     return any(len(x) > 1 for x in layout.local) and (sc.fb is not None or any(sc.a2a_f) or any(sc.a2a_b))
 
 
-def _fb_phase(search: Search, iterations: int, rng: random.Random, walk: Callable[..., Ranks | None]) -> None:
+def _fb_phase(search: Search, iterations: int, rng: random.Random,
+              walk: Callable[..., Ranks | None]) -> list[Policy]:
     """Polish FB units: every BW split into B then W (never worse), then local search with ``FB_MOVES``.
 
     What the exact solver's schedules do (docs/schedules.md): FB(F+B) with its W right after or
@@ -214,7 +237,7 @@ def _fb_phase(search: Search, iterations: int, rng: random.Random, walk: Callabl
     W's to the cool-down are moves the first local search does not have.
     """
     if search.expired() or not _pairing_saves(search.layout, search.costs):
-        return
+        return []
     search.scored = []
     top = _grid_phase(search, walk, fb_policies(search.layout.name, search.costs.per_stage(search.layout.S)))
     _walk_phase(search, top, iterations // 4, rng, walk)
@@ -229,6 +252,47 @@ def _fb_phase(search: Search, iterations: int, rng: random.Random, walk: Callabl
     if makespan < search.best.makespan - 1e-9:
         search.consider(ranks, best.source + "+fb")
     search.expired()
+    return top
+
+
+def _caps_phase(search: Search, walk: Callable[..., Ranks | None], top: list[Policy], thorough: bool,
+                sweeps: int = 2) -> None:
+    """Per-stage warm-up depths: coordinate descent on ``Policy.stage_caps``.
+
+    How many micro-batches each stage runs ahead of its first B is what separates the exact
+    schedules of odd-P dual placements from every policy of the grid (docs/schedules.md): one
+    stage starts three micro-batches deep, its neighbour two. On small problems (stage limits
+    summing to at most ``CAPS_FULL_RANGE``) every FB policy and every cap value up to the rank's
+    limit is tried (without ``thorough``, when ``iterations`` bounds the search, only the two best
+    policies), on larger ones the two best policies and the current cap +- 2. The best
+    order with a cap below a limit is kept in ``search.capped`` as a start for annealing even when
+    it is not the best order: its warm-up is what annealing cannot build one op at a time.
+    """
+    lay = search.layout
+    stage_limit = [search.limits[r] for chain in lay.placement for r in chain]
+    small = sum(stage_limit) <= CAPS_FULL_RANGE
+    reach = max(stage_limit) if small else 2
+    pols = fb_policies(lay.name, search.costs.per_stage(lay.S)) if small and thorough else top[:2]
+    for pol in pols:
+        caps = list(stage_limit)
+        cur = search.consider(walk(pol), "caps")
+        if cur is None:
+            continue
+        for _ in range(sweeps):
+            improved = False
+            for k, lim in enumerate(stage_limit):
+                for v in range(max(1, caps[k] - reach), min(lim, caps[k] + reach) + 1):
+                    if v == caps[k] or search.expired():
+                        continue
+                    trial = caps[:k] + [v] + caps[k + 1:]
+                    ranks = walk(replace(pol, stage_caps=tuple(trial)))
+                    got = search.consider(ranks, "caps")
+                    if got is not None and got < cur - 1e-9:
+                        cur, caps, improved = got, trial, True
+            if not improved:
+                break
+        if caps != stage_limit and (search.capped is None or cur < search.capped.makespan - 1e-9):
+            search.capped = Candidate(walk(replace(pol, stage_caps=tuple(caps))), cur, 0, "caps")
 
 
 def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int]:
@@ -258,14 +322,23 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     if search.expired() or not steps:
         return
     moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else MOVES
-    for cand in search.pool[:chains]:
+    for k, cand in enumerate(_anneal_starts(search, chains)):
         start, source = split_backward(cand.ranks), cand.source
         ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
-                                 steps, search.deadline, moves)
+                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)])
         if makespan < search.best.makespan - 1e-9:
             search.consider(ranks, source + "+anneal")
         if search.expired():
             return
+
+
+def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
+    """The first ``chains`` of the pool, the last one swapped for the capped order when it is not in it."""
+    starts = search.pool[:chains]
+    capped = search.capped
+    if chains > 1 and capped is not None and all(c.ranks != capped.ranks for c in starts):
+        starts = starts + [capped]
+    return starts
 
 
 def check_options(costs: object, seed: object, time_budget: object,
@@ -312,11 +385,14 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
                             f"memory_limit={limit_value!r}")
     given = iterations
     if iterations is None:
-        iterations = max(10, min(200, layout.C * layout.S * M * P // 8))  # small problems converge in a few walks
+        ops = 3 * layout.C * layout.S * M
+        iterations = max(10, min(200, layout.C * layout.S * M * P // 8, WALK_OP_BUDGET // ops))
     rng = random.Random(seed)
     _walk_phase(search, top, iterations, rng, walk)
     _local_phase(search, iterations, rng)
-    _fb_phase(search, iterations, rng, walk)
+    fb_top = _fb_phase(search, iterations, rng, walk)
+    if iterations:  # iterations=0: the grid only (what the planner's accepts() asks for)
+        _caps_phase(search, walk, fb_top, thorough=given is None)
     _anneal_phase(search, given, rng)
     meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks,
             "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
