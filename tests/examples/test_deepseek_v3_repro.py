@@ -143,6 +143,7 @@ def test_real_text_with_a_bpe_tokenizer_reports_held_out_loss(tmp_path):
     assert data["layout"] != "Et|t|t|tmL" and max(data["modelled_cost_per_rank"]) < 0.56
 
 
+@pytest.mark.slow  # per-stage HF save and load across ranks: tests/integrations/test_hf_checkpoint_dist.py
 def test_save_pretrained_then_fine_tune_from_it(tmp_path):
     """--save-pretrained writes a Hugging Face checkpoint from both pipeline ranks; --from-pretrained starts
     from it: the fine-tuning run's first loss equals the single-process model loaded from the same folder on

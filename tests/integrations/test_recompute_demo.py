@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deepseek_v3_repro.py"
 TINY = ["--ranks", "2", "--micro-batch-size", "1", "--seq-len", "16", "--no-progress", "--no-rewind", "--steps", "2"]
@@ -21,6 +23,7 @@ def _summary(policy: str, tmp_path: Path) -> tuple[dict, str]:
     return json.loads(path.read_text()), done.stdout
 
 
+@pytest.mark.slow  # bit-equal gradients and per-rank peaks per policy: test_recompute.py, test_activation_peak.py
 def test_demo_summary_shows_each_ranks_peak_and_step_time_per_recompute_mode(tmp_path):
     peaks = {}
     for policy in ("none", "full"):

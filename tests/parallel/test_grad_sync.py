@@ -140,6 +140,7 @@ def _mirrored_both_modes(rank: int, world: int) -> dict:
     return {mode: _mirrored(rank, world, mode) for mode in ("allreduce", "zero1")}
 
 
+@pytest.mark.slow  # by default: test_hybrid.py (PP2 x DP2 DualPipe = one process), test_mirrored_modes.py
 def test_mirrored_stages_sum_copies_once_and_average_replicas():
     out = run_ranks(_mirrored_both_modes, 4, timeout=150)
     ref = reference(STEPS, "adamw")
