@@ -281,7 +281,7 @@ class Replay:
     Orders with ``REDUCE_GRAD`` are not replayed (their reductions run after the walk).
     """
 
-    def __init__(self, schedule: Schedule, costs: Costs, _walk: _Walk | None = None) -> None:
+    def __init__(self, schedule: Schedule, costs: Costs, _walk: _Walk | None = None, _kept: int = 0) -> None:
         self.schedule = schedule
         self.costs = costs
         if _walk is None:
@@ -291,6 +291,7 @@ class Replay:
         if _walk.posts:
             raise ScheduleError("Replay simulates compute ops only; this order has REDUCE_GRAD ops")
         self._walk = _walk
+        self.walked = sum(len(ops) for ops in _walk.rank_ops) - _kept  # items this replay walked
         self.rank_end = _walk.column(1)
         self.peak_activations = _walk.column(3)
         self.makespan = max(self.rank_end) if self.rank_end else 0.0
@@ -321,7 +322,7 @@ class Replay:
                 walk.state[r][:] = k, clock, live, peak, busy
                 walk.first[r] = trace[r][0][0]
         walk.run()
-        return Replay(sched, self.costs, walk)
+        return Replay(sched, self.costs, walk, sum(keep))
 
 
 def _start_of(entry: tuple) -> float:

@@ -35,10 +35,16 @@ from mt_dualpipe.schedules.auto import (
 )
 from mt_dualpipe.schedules.auto.bound import unpaired_bound, work_bound
 from mt_dualpipe.schedules.auto.local import FB_MOVES, neighbour, sink_ws, split_backward, waits_on_later
-from mt_dualpipe.schedules.auto.search import ANNEAL_OP_BUDGET, anneal_plan
+from mt_dualpipe.schedules.auto.search import (
+    ANNEAL_CHAIN_STEPS,
+    ANNEAL_CHAINS,
+    ANNEAL_MAX_STEPS,
+    ANNEAL_WORK,
+    anneal_plan,
+)
 from mt_dualpipe.schedules.ir import FB, Op
 from mt_dualpipe.schedules.ops import OpKind, OpTable, parts
-from mt_dualpipe.schedules.simulate import run_schedule
+from mt_dualpipe.schedules.simulate import Replay, run_schedule
 
 FAST = dict(time_budget=None, iterations=15)
 
@@ -331,11 +337,37 @@ def test_anneal_never_returns_worse_and_keeps_the_limit():
 
 
 def test_anneal_plan_many_short_chains_small_one_long_chain_large():
-    """Three chains from diverse starts on small problems, one long chain on large ones; ``iterations`` caps it."""
-    assert anneal_plan(Layout.named("v", 2, 4), None) == (3, 10000)  # budget / 48 ops, capped at 30 000
-    assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, ANNEAL_OP_BUDGET // 1152)
-    assert anneal_plan(Layout.named("v", 8, 24), 15) == (1, 150)
-    assert anneal_plan(Layout.named("v", 2, 4), 0) == (1, 0)
+    """Three chains from diverse starts on small problems, one long chain bounded by re-simulated ops on
+    large ones; ``iterations`` caps it."""
+    assert anneal_plan(Layout.named("v", 2, 4), None) == (ANNEAL_CHAINS, ANNEAL_CHAIN_STEPS, None)
+    assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, ANNEAL_MAX_STEPS, ANNEAL_WORK)
+    assert anneal_plan(Layout.named("v", 8, 24), 15) == (1, 150, None)
+    assert anneal_plan(Layout.named("v", 2, 4), 0) == (1, 0, None)
+
+
+def test_anneal_work_budget_ends_the_chain():
+    """With ``work`` a chain stops once its replays have walked that many ops: fewer steps, same rules."""
+    layout = Layout.named("dual", 4, 8)
+    costs = Costs(1, [1, 1, 1, 2], 1, a2a_f=1, a2a_b=1)
+    start = split_backward(build_schedule("dualpipe", 4, 8).ranks)
+    walked = []
+    real = Replay.changed
+
+    def counting(self, *args):
+        out = real(self, *args)
+        walked.append(out.walked)
+        return out
+
+    Replay.changed = counting
+    try:
+        anneal(layout, costs, [5] * 4, start, random.Random(0), 400, None)
+        full = sum(walked)
+        walked.clear()
+        anneal(layout, costs, [5] * 4, start, random.Random(0), 400, None, work=full // 4)
+    finally:
+        Replay.changed = real
+    assert full // 4 <= sum(walked) < full // 2  # stopped soon after a quarter of the work
+    assert all(0 < w <= sum(len(ops) for ops in start) for w in walked)
 
 
 def test_fifo_policy_interleaves_the_chains():

@@ -36,6 +36,8 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
         return Schedule("x", P, M, sched.placement, sched.microbatch_chain, r)
 
     base = Replay(order(ranks), costs)
+    total = sum(len(ops) for ops in ranks)
+    assert base.walked == total  # a fresh replay walks every op
     compared = deadlocks = 0
     while compared < 300:
         r = rng.randrange(P)
@@ -54,6 +56,7 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
         assert got.makespan == pytest.approx(ref.makespan, abs=1e-12)
         assert got.rank_end == pytest.approx(ref.rank_end, abs=1e-12)
         assert got.peak_activations == ref.peak_activations
+        assert 0 < got.walked <= sum(len(ops) for ops in cand)  # only what the move can change is walked again
         if rng.random() < 0.5:  # walk on, so later replays start from replayed orders
             ranks, base = cand, got
     assert deadlocks  # the moves do produce deadlocks, and those are reported as such

@@ -366,7 +366,7 @@ def _anneal_score(run: Replay, P: int) -> float:
 
 def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
            deadline: float | None, moves: tuple[tuple[str, float, Move], ...] = ANNEAL_MOVES,
-           window: int = 6, heat: float = ANNEAL_HEAT) -> tuple[Ranks, float]:
+           window: int = 6, heat: float = ANNEAL_HEAT, work: int | None = None) -> tuple[Ranks, float]:
     """Simulated annealing on per-rank orders; the best order seen and its makespan.
 
     Hill climbing stops where every single move costs something, yet the exact schedules are often
@@ -376,20 +376,23 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     more moves land off the critical path, and a walk as hot as on a small problem drifts away).
     The score is the makespan plus a tenth of the mean rank end time: a move that lets a
     non-critical rank finish sooner is a step towards one that shortens the critical rank (as in
-    ``local_search``'s tie-break).
+    ``local_search``'s tie-break). With ``work`` the chain also ends once its replays have walked that
+    many ops (``simulate.Replay.walked``), and cools by whichever of steps and work is further spent.
     """
     base = _replay(layout, costs, ranks, "annealing")
     P = layout.P
     cur = _anneal_score(base, P)
     best, best_key = ranks, (base.makespan, sum(base.rank_end))
     t_hi = heat * base.makespan / P
-    cool = 0.01 ** (1.0 / max(1, steps))
-    temp = t_hi
+    spent = 0
     table = OpTable(layout.placement, layout.M)
     for step in range(steps):
         if deadline is not None and step % 16 == 0 and time.perf_counter() > deadline:
             break
-        temp *= cool
+        done = max(step / steps, spent / work) if work else step / steps
+        if done >= 1.0:
+            break
+        temp = t_hi * 0.01 ** done
         r = rng.randrange(P)
         cand = neighbour(ranks, rng, r, window, moves)
         if cand is None:
@@ -400,6 +403,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         res = _try(base, cand, r, lo, limits)
         if res is None:
             continue
+        spent += res.walked
         new = _anneal_score(res, P)
         if new <= cur or rng.random() < math.exp((cur - new) / temp):
             ranks, cur, base = cand, new, res

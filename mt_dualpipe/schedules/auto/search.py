@@ -51,11 +51,18 @@ HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "d
 
 Ranks = list[list[ComputeItem]]
 ANNEAL_OP_BUDGET = 18_000_000
-"""Annealing steps times ops per schedule when ``iterations`` is not given: a step re-simulates about
-half of its ops (``simulate.Replay``), so this bounds the phase's CPU at any size (30000 steps at
-most, 1000 at least; about 26000 steps and 3-5 s at P=8, M=24, where the last thousands of steps
-still find better orders: dual placement, exposed all-to-all 1.0 of F, 15000 steps 95-97, 30000
-steps 94-96, the bound being 94)."""
+"""Annealing steps times ops per schedule when ``iterations`` is not given: where this allows
+``ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS`` steps (small problems, up to about 600 ops) they run as that
+many chains; larger problems get one chain bounded by ``ANNEAL_WORK`` instead."""
+ANNEAL_WORK = 1_500_000
+"""Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
+what a move costs is the part of the order it walks again (at P=8, M=24 about 230 ops on the dual
+placement, 450 on the V, about 2 us each), so a budget of walked ops gives each placement about
+the same CPU (3-6 s) and the cheaper one more steps. The last thousands of steps still find better
+orders: dual placement, exposed all-to-all 1.0 of F, 15 000 steps 95-97, 30 000 steps 94-96, the
+bound being 94."""
+ANNEAL_MAX_STEPS = 40_000
+"""At most this many steps in that chain, whatever the work."""
 WALK_OP_BUDGET = 60_000
 """Randomised walks times ops per schedule when ``iterations`` is not given (200 walks at most,
 10 at least): on large problems annealing finds more in the same time than more walks do."""
@@ -295,19 +302,21 @@ def _caps_phase(search: Search, walk: Callable[..., Ranks | None], top: list[Pol
             search.capped = Candidate(walk(replace(pol, stage_caps=tuple(caps))), cur, 0, "caps")
 
 
-def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int]:
-    """(chains, steps per chain): ``10 * iterations`` steps in all when given, else from ``ANNEAL_OP_BUDGET``.
+def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int, int | None]:
+    """(chains, steps per chain, walked ops per chain or None): ``10 * iterations`` steps in all when given.
 
     Small problems gain most from diverse starts, larger ones from one long walk (a chain too short
-    to cool down finds little), so there are ``ANNEAL_CHAINS`` chains only when each gets
-    ``ANNEAL_CHAIN_STEPS`` steps.
+    to cool down finds little): ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS`` where
+    ``ANNEAL_OP_BUDGET`` allows it, else one chain of up to ``ANNEAL_MAX_STEPS`` steps and
+    ``ANNEAL_WORK`` re-simulated ops.
     """
     if iterations is not None:
         total = 10 * iterations
-    else:
-        total = max(1000, min(30000, ANNEAL_OP_BUDGET // (3 * layout.C * layout.S * layout.M)))
-    chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
-    return chains, total // chains
+        chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
+        return chains, total // chains, None
+    if ANNEAL_OP_BUDGET // (3 * layout.C * layout.S * layout.M) >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS:
+        return ANNEAL_CHAINS, ANNEAL_CHAIN_STEPS, None
+    return 1, ANNEAL_MAX_STEPS, ANNEAL_WORK
 
 
 def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) -> None:
@@ -318,14 +327,14 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     another); annealing crosses those. Starting from orders of different makespans, not only the
     best, finds more of them on small problems. Only where FB units pay do the FB moves apply.
     """
-    chains, steps = anneal_plan(search.layout, iterations)
+    chains, steps, work = anneal_plan(search.layout, iterations)
     if search.expired() or not steps:
         return
     moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else MOVES
     for k, cand in enumerate(_anneal_starts(search, chains)):
         start, source = split_backward(cand.ranks), cand.source
         ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
-                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)])
+                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work)
         if makespan < search.best.makespan - 1e-9:
             search.consider(ranks, source + "+anneal")
         if search.expired():
