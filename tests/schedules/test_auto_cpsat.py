@@ -106,6 +106,13 @@ def test_heuristic_within_2_percent_of_proved_optimum_with_exposed_all_to_all(se
     assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.02 * optimum
 
 
+def test_pairing_window_bound_is_the_proved_optimum():
+    """The worked case of ``test_pairing_window_bound`` (tests/schedules/test_auto.py): bound 23, optimum 23."""
+    costs = Costs([1, 2], [1, 2], [1, 2], a2a_f=1, a2a_b=1, comm=1)
+    exact, optimum = check_exact("dual", 2, 4, costs)
+    assert optimum == 23.0 == lower_bound(Layout.named("dual", 2, 4), costs)
+
+
 def test_time_limit_is_honoured_and_gap_reported():
     costs = Costs(1, 1, 1, a2a_f=1.0, a2a_b=1.0)
     t0 = time.perf_counter()
