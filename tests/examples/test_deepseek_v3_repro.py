@@ -89,6 +89,7 @@ def test_rerun_with_checkpoint_dir_resumes(resumed):
     assert "resumed from the checkpoint of step 3" in out
 
 
+@pytest.mark.slow  # NaN rewinds by default: tests/resilience/test_resilience_dist.py, test_rewind_mesh.py
 def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
     data, out = run_example("--steps", "5", "--snapshot-every", "3", "--inject-nan", "4", summary=tmp_path / "s.json")
     assert data["rewinds"] == 1 and data["skipped_batches"] == [4]

@@ -77,6 +77,7 @@ def _close(a, b) -> None:
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow  # by default through Rewind's checkpoints: tests/resilience/test_checkpoint_mesh.py
 def test_zero1_dp2_checkpoint_loads_at_dp1(tmp_path):
     saved, state, after = _reference()
     run_ranks(_save, 2, str(tmp_path / "ckpt"), True, timeout=90)
@@ -92,7 +93,7 @@ def test_zero1_dp2_checkpoint_loads_at_dp1(tmp_path):
             _close(a, b)
 
 
-@pytest.mark.slow  # the reverse runs by default, and through Rewind in tests/resilience/test_checkpoint_mesh.py
+@pytest.mark.slow  # both directions through Rewind in tests/resilience/test_checkpoint_mesh.py (dp2 -> dp1 by default)
 def test_dp1_checkpoint_loads_into_zero1_at_dp2(tmp_path):
     saved, state, after = _reference()
     run_ranks(_save, 1, str(tmp_path / "ckpt"), False, timeout=60)
