@@ -86,11 +86,16 @@ def _first_b(layout: Layout, sc: StageCosts, head: list[list[float]], c: int, s:
     return t
 
 
-def unpaired_bound(layout: Layout, costs: Costs) -> float:
-    """The largest per-rank bound from the F's that must run before any B (see the module docstring)."""
+def _rank_inputs(layout: Layout, costs: Costs) -> tuple[StageCosts, list[list[float]], list[int]]:
+    """What the per-rank pairing bounds read: per-stage costs, forward paths, micro-batches per chain."""
     sc = costs.per_stage(layout.S)
     head, _ = _paths(layout, sc)
-    per_chain = [len(mbs) for mbs in layout.chain_mbs]
+    return sc, head, [len(mbs) for mbs in layout.chain_mbs]
+
+
+def unpaired_bound(layout: Layout, costs: Costs) -> float:
+    """The largest per-rank bound from the F's that must run before any B (see the module docstring)."""
+    sc, head, per_chain = _rank_inputs(layout, costs)
     best = 0.0
     for local in layout.local:
         chains = {c for c, _ in local if per_chain[c]}
@@ -145,9 +150,7 @@ def _pair_saving(sc: StageCosts, f_stage: int, b_stage: int) -> float:
 
 def pairing_window_bound(layout: Layout, costs: Costs) -> float:
     """The largest per-rank bound from when each of a rank's two stages can first pair (module docstring)."""
-    sc = costs.per_stage(layout.S)
-    head, _ = _paths(layout, sc)
-    per_chain = [len(mbs) for mbs in layout.chain_mbs]
+    sc, head, per_chain = _rank_inputs(layout, costs)
     best = 0.0
     for local in layout.local:
         if len(local) != 2 or not all(per_chain[c] for c, _ in local):
