@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from . import ops as K
 from ._perf import gc_paused
@@ -304,7 +305,7 @@ class Replay:
         old = self._walk
         trace = old.trace
         t0 = trace[rank][index][0] if index < len(trace[rank]) else float("inf")
-        keep = [bisect_left(tr, t0, key=_start_of) for tr in trace]
+        keep = [bisect_left(tr, t0, key=itemgetter(0)) for tr in trace]  # trace entries start with the op's start
         keep[rank] = min(keep[rank], index)
         sched = Schedule(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches,
                          self.schedule.placement, self.schedule.microbatch_chain, ranks)
@@ -313,7 +314,7 @@ class Replay:
         end_of[:] = old.end_of
         for r, k in enumerate(keep):
             for item in old.rank_ops[r][k:]:  # what the replayed ops make is not made yet
-                for op in (item if type(item) is FB else (item,)):
+                for op in K.parts(item):
                     made = templates[op[0]][op[1] * S + op[2]][1]
                     if made >= 0:
                         end_of[made + 2 * op[3]] = -1.0
@@ -323,10 +324,6 @@ class Replay:
                 walk.first[r] = trace[r][0][0]
         walk.run()
         return Replay(sched, self.costs, walk, sum(keep))
-
-
-def _start_of(entry: tuple) -> float:
-    return entry[0]
 
 
 _TABLES: OrderedDict[tuple, dict] = OrderedDict()
