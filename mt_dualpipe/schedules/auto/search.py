@@ -10,12 +10,14 @@
    exposed all-to-all or a cheaper ``fb``): walks with eager W's, every BW split into B then W
    (never worse: same rank time and memory, gradients out one W sooner), W's pushed late, and a
    local search with ``FB_MOVES``. This is what the exact solver's schedules do differently.
-6. **Annealing** (``local.anneal``) from the few best orders of different makespans: crosses the
-   moves that each cost something alone (unpair a unit here, move a B on the next rank) that the
-   exact schedules are often separated from ours by.
+6. **Warm-up caps** (same condition): coordinate descent on each stage's ``Policy.stage_caps``.
+7. **Annealing** (``local.anneal``) from the few best orders of different makespans and the best
+   capped one: crosses the moves that each cost something alone (unpair a unit here, move a B on
+   the next rank) that the exact schedules are often separated from ours by.
 
-Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations); the
-search is bounded by iteration counts, not the clock, so a seed gives one result.
+Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
+steps of local search and annealing by ``simulate.Replay``; the search is bounded by iteration
+counts and re-simulated ops, not the clock, so a seed gives one result.
 """
 
 from __future__ import annotations
@@ -281,8 +283,8 @@ def _caps_phase(search: Search, walk: Callable[..., Ranks | None], top: list[Pol
     reach = max(stage_limit) if small else 2
     pols = fb_policies(lay.name, search.costs.per_stage(lay.S)) if small and thorough else top[:2]
     for pol in pols:
-        caps = list(stage_limit)
-        cur = search.consider(walk(pol), "caps")
+        caps, ranks = list(stage_limit), walk(pol)
+        cur = search.consider(ranks, "caps")
         if cur is None:
             continue
         for _ in range(sweeps):
@@ -292,14 +294,19 @@ def _caps_phase(search: Search, walk: Callable[..., Ranks | None], top: list[Pol
                     if v == caps[k] or search.expired():
                         continue
                     trial = caps[:k] + [v] + caps[k + 1:]
-                    ranks = walk(replace(pol, stage_caps=tuple(trial)))
-                    got = search.consider(ranks, "caps")
+                    got_ranks = walk(replace(pol, stage_caps=tuple(trial)))
+                    got = search.consider(got_ranks, "caps")
                     if got is not None and got < cur - 1e-9:
-                        cur, caps, improved = got, trial, True
+                        cur, caps, ranks, improved = got, trial, got_ranks, True
             if not improved:
                 break
         if caps != stage_limit and (search.capped is None or cur < search.capped.makespan - 1e-9):
-            search.capped = Candidate(walk(replace(pol, stage_caps=tuple(caps))), cur, 0, "caps")
+            search.capped = Candidate(ranks, cur, 0, "caps")
+
+
+def op_count(layout: Layout) -> int:
+    """F, B and W of every stage and micro-batch: what one simulation of an order walks."""
+    return 3 * layout.C * layout.S * layout.M
 
 
 def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int, int | None]:
@@ -314,7 +321,7 @@ def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int, int |
         total = 10 * iterations
         chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
         return chains, total // chains, None
-    if ANNEAL_OP_BUDGET // (3 * layout.C * layout.S * layout.M) >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS:
+    if ANNEAL_OP_BUDGET // op_count(layout) >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS:
         return ANNEAL_CHAINS, ANNEAL_CHAIN_STEPS, None
     return 1, ANNEAL_MAX_STEPS, ANNEAL_WORK
 
@@ -342,7 +349,8 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
 
 
 def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
-    """The first ``chains`` of the pool, the last one swapped for the capped order when it is not in it."""
+    """The first ``chains`` of the pool, and the capped order after them when there are several and it is not
+    among them."""
     starts = search.pool[:chains]
     capped = search.capped
     if chains > 1 and capped is not None and all(c.ranks != capped.ranks for c in starts):
@@ -394,8 +402,7 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
                             f"memory_limit={limit_value!r}")
     given = iterations
     if iterations is None:
-        ops = 3 * layout.C * layout.S * M
-        iterations = max(10, min(200, layout.C * layout.S * M * P // 8, WALK_OP_BUDGET // ops))
+        iterations = max(10, min(200, layout.C * layout.S * M * P // 8, WALK_OP_BUDGET // op_count(layout)))
     rng = random.Random(seed)
     _walk_phase(search, top, iterations, rng, walk)
     _local_phase(search, iterations, rng)
