@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mt_dualpipe.runtime import PipelineError
+
 H = 8
 GLOBAL_ROWS = 16
 
@@ -340,3 +342,12 @@ def tp_refusals(rank: int, world: int) -> dict[str, str]:
     except Exception as exc:  # noqa: BLE001
         out["dtensor"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def error_message(fn, errors: tuple[type[BaseException], ...] = (PipelineError, ValueError)) -> str:
+    """The message of the ``errors`` ``fn`` raises, or "no error" (worker processes return it for an exact check)."""
+    try:
+        fn()
+    except errors as exc:
+        return str(exc)
+    return "no error"

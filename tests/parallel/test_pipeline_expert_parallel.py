@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mt_dualpipe.parallel import GradSync, StageSync, init_parallel, set_weight_kind, weight_kind
-from mt_dualpipe.runtime import DualPipe, Pipeline, PipelineError, defer_weight_grads
+from mt_dualpipe.runtime import DualPipe, Pipeline, defer_weight_grads
 from mt_dualpipe.schedules.registry import schedule_info
 from tests.helpers.dist import run_ranks
 from tests.helpers.parallel import (
@@ -24,6 +24,7 @@ from tests.helpers.parallel import (
     ExpertModel,
     TiedModel,
     adamw,
+    error_message,
     global_batch,
     local_loss,
     make_model,
@@ -136,29 +137,22 @@ def test_pp2_dp2_ep2_dualpipe_equals_single_process() -> None:
         assert o["groups"] == _expected_groups("dualpipe", rank, 2, 2)
 
 
-def _msg(fn) -> str:
-    try:
-        fn()
-    except (PipelineError, ValueError) as exc:
-        return str(exc)
-    return "no error"
-
-
 def _errors(rank: int, world: int) -> dict:
-    out = {"mesh_size": _msg(lambda: init_parallel(pp=2, ep=3))}
+    out = {"mesh_size": error_message(lambda: init_parallel(pp=2, ep=3))}
     dims = init_parallel(pp=2, ep=2)
     pp, e = dims.coord("pp"), dims.coord("ep")
-    out["no_expert"] = _msg(lambda: Pipeline([make_model(blocks=2)[pp]], "1f1b", mesh=dims))
+    out["no_expert"] = error_message(lambda: Pipeline([make_model(blocks=2)[pp]], "1f1b", mesh=dims))
     stage = ExpertModel(2, 2).stage(pp, e, dims.group("ep"))
-    out["fsdp_ep"] = _msg(lambda: Pipeline([stage], "1f1b", mesh=dims, dp_mode="fsdp"))
+    out["fsdp_ep"] = error_message(lambda: Pipeline([stage], "1f1b", mesh=dims, dp_mode="fsdp"))
     tied = TiedModel(2).stage(pp)
     set_weight_kind(tied.block.a, "expert")
-    out["fsdp_ties"] = _msg(lambda: Pipeline([tied], "1f1b", mesh=dims, dp_mode="fsdp"))
+    out["fsdp_ties"] = error_message(lambda: Pipeline([tied], "1f1b", mesh=dims, dp_mode="fsdp"))
     set_weight_kind(tied.tied, "expert")
-    out["expert_tie"] = _msg(lambda: Pipeline([tied], "1f1b", mesh=dims))
+    out["expert_tie"] = error_message(lambda: Pipeline([tied], "1f1b", mesh=dims))
     pipe = Pipeline([stage], "1f1b", mesh=dims)
     x = torch.randn(7, 8, dtype=torch.float64)
-    out["batch"] = _msg(lambda: pipe.step(x, num_chunks=2, criterion=lambda o, t: local_loss(o, t, 2), labels=(x,)))
+    out["batch"] = error_message(lambda: pipe.step(x, num_chunks=2, criterion=lambda o, t: local_loss(o, t, 2),
+                                                   labels=(x,)))
     return out
 
 

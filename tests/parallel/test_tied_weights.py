@@ -17,7 +17,15 @@ from mt_dualpipe.parallel import init_parallel
 from mt_dualpipe.runtime import DualPipe, Pipeline, PipelineError, defer_weight_grads
 from mt_dualpipe.schedules.registry import schedule_info
 from tests.helpers.dist import run_ranks
-from tests.helpers.parallel import GLOBAL_ROWS, TiedModel, global_batch, local_loss, pipeline_share, reference_step
+from tests.helpers.parallel import (
+    GLOBAL_ROWS,
+    TiedModel,
+    error_message,
+    global_batch,
+    local_loss,
+    pipeline_share,
+    reference_step,
+)
 
 M = 4
 SCHEDULES = ["1f1b", "zbv", "dualpipe"]
@@ -128,26 +136,18 @@ def test_zero1_with_ties_equals_single_process_adamw_and_shards_the_state() -> N
         assert o["zero1"]["names"] == o["allreduce"]["names"] == sorted(blocks + ["tied.tied.bias", "tied.tied.weight"])
 
 
-def _msg(fn) -> str:
-    try:
-        fn()
-    except PipelineError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _errors(rank: int, world: int) -> dict:
     model = TiedModel(2)
     out = {}
     wide = model.stage(rank)
     if rank == 1:
         wide.tied = torch.nn.Linear(8, 4).double()
-    out["shape"] = _msg(lambda: Pipeline([wide], "1f1b"))
+    out["shape"] = error_message(lambda: Pipeline([wide], "1f1b"), (PipelineError,))
     typo = model.stage(rank)
     typo.tied_parameters = ("tied.wieght",) if rank == 0 else ()
-    out["typo"] = _msg(lambda: Pipeline([typo], "1f1b"))
+    out["typo"] = error_message(lambda: Pipeline([typo], "1f1b"), (PipelineError,))
     pipe = DualPipe((model.stage(rank), model.stage(1 - rank)))
-    out["mirrored"] = _msg(pipe.sync_mirrored_grads)
+    out["mirrored"] = error_message(pipe.sync_mirrored_grads, (PipelineError,))
     return out
 
 

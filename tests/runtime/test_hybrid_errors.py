@@ -9,42 +9,34 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from mt_dualpipe.parallel import init_parallel
-from mt_dualpipe.runtime import Pipeline, PipelineError
+from mt_dualpipe.runtime import Pipeline
 from mt_dualpipe.runtime.data_parallel import rank_label
 from tests.helpers.dist import run_ranks
-from tests.helpers.parallel import local_loss, make_model
-
-
-def _msg(fn) -> str:
-    try:
-        fn()
-    except (PipelineError, ValueError) as exc:
-        return str(exc)
-    return "no error"
+from tests.helpers.parallel import error_message, local_loss, make_model
 
 
 def _worker(rank: int, world: int) -> dict:
-    out = {"mesh_size": _msg(lambda: init_parallel(pp=3, dp=1))}
+    out = {"mesh_size": error_message(lambda: init_parallel(pp=3, dp=1))}
     dims = init_parallel(pp=2, dp=2)
     pp = dims.coord("pp")
     block = make_model(blocks=2)[pp]
-    out["inconsistent"] = _msg(lambda: Pipeline([block], "zb-h1", mesh=dataclasses.replace(dims, dp=1)))
-    out["mode"] = _msg(lambda: Pipeline([block], "zb-h1", mesh=dims, dp_mode="zero2"))
-    out["fsdp_plain"] = _msg(lambda: Pipeline([block], "zb-h1", mesh=dims, dp_mode="fsdp"))
-    out["no_mesh"] = _msg(lambda: Pipeline([block], "zb-h1", dp_mode="zero1"))
-    out["ddp"] = _msg(lambda: Pipeline([DistributedDataParallel(block, process_group=dims.group("dp"))], "zb-h1",
-                                       mesh=dims))
+    out["inconsistent"] = error_message(lambda: Pipeline([block], "zb-h1", mesh=dataclasses.replace(dims, dp=1)))
+    out["mode"] = error_message(lambda: Pipeline([block], "zb-h1", mesh=dims, dp_mode="zero2"))
+    out["fsdp_plain"] = error_message(lambda: Pipeline([block], "zb-h1", mesh=dims, dp_mode="fsdp"))
+    out["no_mesh"] = error_message(lambda: Pipeline([block], "zb-h1", dp_mode="zero1"))
+    out["ddp"] = error_message(
+        lambda: Pipeline([DistributedDataParallel(block, process_group=dims.group("dp"))], "zb-h1", mesh=dims))
     sharded = fully_shard(make_model(blocks=2)[pp], mesh=dims.submesh("dp"))
-    out["fsdp_mode"] = _msg(lambda: Pipeline([sharded], "zb-h1", mesh=dims, dp_mode="zero1"))
+    out["fsdp_mode"] = error_message(lambda: Pipeline([sharded], "zb-h1", mesh=dims, dp_mode="zero1"))
     pipe = Pipeline([block], "zb-h1", mesh=dims)
     x = torch.randn(7, 8, dtype=torch.float64)
 
     def crit(o, t):
         return local_loss(o, t, 2)
 
-    out["batch"] = _msg(lambda: pipe.step(x if pp == 0 else None, num_chunks=2, criterion=crit if pp else None,
+    out["batch"] = error_message(lambda: pipe.step(x if pp == 0 else None, num_chunks=2, criterion=crit if pp else None,
                                           labels=(x,) if pp else ()))
-    out["missing"] = _msg(lambda: pipe.step(None, num_chunks=2, criterion=crit if pp else None,
+    out["missing"] = error_message(lambda: pipe.step(None, num_chunks=2, criterion=crit if pp else None,
                                             labels=(x[:4],) if pp else ()))
     return out
 
