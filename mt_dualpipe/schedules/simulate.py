@@ -9,8 +9,11 @@ as docs/schedules.md defines them: +1 when a stage's F starts, -1 when its W or 
 
 from __future__ import annotations
 
+import copy
+import math
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
@@ -99,38 +102,67 @@ def run_schedule(schedule: Schedule, costs: Costs | None = None, record: bool = 
 class _Walk:
     """The event walk's state: per rank [position, clock, live, peak, busy]; per signal its end time."""
 
-    def __init__(self, schedule: Schedule, sc: StageCosts, record: bool, trace: list[list[tuple]] | None) -> None:
+    def __init__(self, schedule: Schedule, sc: StageCosts, record: bool, trace: list[list[tuple]] | None,
+                 resume: tuple[_Walk, int] | None = None) -> None:
+        """A walk of ``schedule``; ``resume=(old, rank)``: of ``old``'s schedule with ``rank``'s order changed.
+
+        A resumed walk shares ``old``'s op table, its other ranks' op lists and its signal times
+        (copied: ``Replay.changed`` then unsets what it walks again).
+        """
         P = schedule.num_ranks
         placement = schedule.placement
         self.S, self.M = len(placement[0]), schedule.num_microbatches
         self.sc = sc
         self.fb_cost = sc.fb_cost
-        self.templates = _walk_table(placement, self.M, sc)
-        self.rank_ops = [[i for i in ops if type(i) is not CommBatch] for ops in schedule.ranks]
-        self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M)
+        if resume is None:
+            self.templates = _walk_table(placement, self.M, sc)
+            self.rank_ops = [_compute_items(ops) for ops in schedule.ranks]
+            # one signal slot per (kind, chain, stage, mb), then two spare ones: ``trace`` records what an op
+            # made as the slot's key or as the table's negative "made" code (-1 nothing, -2 ops.COLLECTIVE)
+            self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M + 2)
+        else:
+            old, rank = resume
+            self.templates, self.rank_ops, self.end_of = old.templates, list(old.rank_ops), list(old.end_of)
+            self.rank_ops[rank] = _compute_items(schedule.ranks[rank])
         self.waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
         self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank) of its last park
         self.state = [[0, 0.0, 0, 0, 0.0] for _ in range(P)]  # position, clock, live, peak, busy
         self.first: list[float | None] = [None] * P
         self.events: list[TimelineEvent] = []
         self.record = record
-        self.trace = trace  # per rank, per item run: (start, end, live, peak, busy) after it
+        self.trace = trace  # per rank, per item run: (start, end, live, peak, busy) after it, the keys it made
         self.stack = list(range(P))
+        self.caps: Sequence[float] = [math.inf] * P  # per-rank activation limits of a cut-off walk (Cutoff.peaks)
+        self.over = False  # a cut-off walk stopped early
         self.posts: list[tuple[int, int, int, float]] = []  # collective ops: (rank, chain, stage, post time)
         self.dp_sync = sc.dp_sync
         # what every resume of a rank reads, bound once
         self.ctx = (self.templates, self.end_of, self.waiters, self.stack, self.S,
                     self.events if record else None, self.blocked_on, self.posts, trace)
 
+    def work(self, r: int) -> float:
+        """The compute time of rank ``r``'s items (what its busy time ends at)."""
+        templates, S, total = self.templates, self.S, 0.0
+        for item in self.rank_ops[r]:
+            if type(item) is FB:
+                f, b = item
+                total += self.fb_cost(f[2], b[0], b[2])
+            else:
+                total += templates[item[0]][item[1] * S + item[2]][2]
+        return total
+
     def column(self, k: int) -> list:
         """One per-rank counter (1 clock, 2 live, 3 peak, 4 busy) as a list over ranks."""
         return [st[k] for st in self.state]
 
-    def run(self) -> None:
+    def run(self, cutoff: Cutoff | None = None, work: list[float] | None = None) -> None:
         stack = self.stack
         try:
-            while stack:
-                self.advance(stack.pop())
+            if cutoff is None:
+                while stack:
+                    self.advance(stack.pop())
+            elif self.run_until(cutoff, work):
+                return
         except KeyError as exc:  # an op kind the op table does not know
             for r, ops in enumerate(self.rank_ops):
                 for i, item in enumerate(ops):
@@ -143,6 +175,38 @@ class _Walk:
             pos = self.column(0)
             raise ScheduleError(_deadlock_message(self.rank_ops, pos, self.blocked_on, stuck, self.S, self.M))
         self.comm_end = self.run_collectives()
+
+    def run_until(self, cutoff: Cutoff, work: list[float]) -> bool:
+        """The walk, stopped as soon as ``cutoff`` rules its result out; True if it was stopped.
+
+        ``work[r]`` is the compute time of all rank ``r``'s items, so clock + work - busy is a lower
+        bound of when the rank ends; it only grows (an op that starts late moves it by the wait), so
+        (max of these + weight * their sum) after any resume is a lower bound of the finished walk's
+        makespan + weight * sum of rank ends. A peak only grows, so ``advance`` stops at the first
+        op over ``cutoff.peaks``.
+        """
+        stack, state, weight, ceiling = self.stack, self.state, cutoff.weight, cutoff.score + 1e-9
+        self.caps = cutoff.peaks
+        if any(st[3] > cap for st, cap in zip(state, self.caps)):  # over already before the change
+            self.over = True
+            return True
+        ends = [st[1] + w - st[4] for st, w in zip(state, work)]
+        total, latest = sum(ends), max(ends)
+        while stack:
+            r = stack.pop()
+            self.advance(r)
+            if self.over:
+                return True
+            st = state[r]
+            end = st[1] + work[r] - st[4]
+            total += end - ends[r]
+            ends[r] = end
+            if end > latest:
+                latest = end
+            if latest + weight * total > ceiling:
+                self.over = True
+                return True
+        return False
 
     def run_collectives(self) -> list[float]:
         """Complete the posted gradient reductions; return when each rank's comm stream is idle.
@@ -161,14 +225,14 @@ class _Walk:
                 self.events.append(TimelineEvent(r, K.REDUCE_GRAD, c, s, 0, start, free[r], None, "comm"))
         return free
 
-    def advance(self, r: int) -> None:
+    def advance(self, r: int) -> None:  # noqa: C901 - the hot loop stays one function: a call per op costs
         """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop).
 
         The rank's counters live in locals here and are written back when it parks, finishes or
         hands an FB unit to ``run_fb``.
         """
         templates, end_of, waiters, stack, S, events, blocked_on, posts, trace = self.ctx
-        ops, st = self.rank_ops[r], self.state[r]
+        ops, st, caps = self.rank_ops[r], self.state[r], self.caps
         i, t_now, live, peak, busy = st
         nops = len(ops)
         while i < nops:
@@ -201,6 +265,9 @@ class _Walk:
             live += holds
             if live > peak:
                 peak = live
+                if peak > caps[r]:  # over the activation limit: the cut-off walk stops here
+                    self.over = True
+                    break
             live -= frees
             if made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
                 posts.append((r, c, s, start))
@@ -216,7 +283,7 @@ class _Walk:
                 events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
             busy += dur
             if trace is not None:
-                trace[r].append((start, t_now, live, peak, busy))
+                trace[r].append((start, t_now, live, peak, busy, made, -1))
             i += 1
         st[:] = i, t_now, live, peak, busy
 
@@ -256,17 +323,35 @@ class _Walk:
         dur = self.fb_cost(fs, bk, bs)
         end = start + dur
         live += hf + hb
-        for made, m in ((mf, fm), (mb_, bm)):
-            if made >= 0:
-                self.make(made + m + m, end)
+        if live > self.caps[r]:
+            self.over = True
+            return False
+        made = [mf + fm + fm if mf >= 0 else -1, mb_ + bm + bm if mb_ >= 0 else -1]
+        for key in made:
+            if key >= 0:
+                self.make(key, end)
         if self.record:
             self.events.append(TimelineEvent(r, "FB", fc, fs, fm, start, end, (bk, bc, bs, bm)))
         if not i:
             self.first[r] = start
         st[:] = i + 1, end, live - ff - fbb, max(peak, live), busy + dur
         if self.trace is not None:
-            self.trace[r].append((start, end, st[2], st[3], st[4]))
+            self.trace[r].append((start, end, st[2], st[3], st[4], *made))
         return True
+
+
+@dataclass(frozen=True)
+class Cutoff:
+    """When a replayed order is of no interest, so its walk may stop early (``Replay.changed``).
+
+    A search throws away an order over a rank's activation limit (``peaks``) or scoring above what
+    it would accept: makespan + ``weight`` * sum of rank end times > ``score``. Both are known to
+    hold as soon as the walk gets there (clocks and peaks only grow), so the rest is not walked.
+    """
+
+    peaks: Sequence[float]
+    score: float = math.inf
+    weight: float = 0.0
 
 
 class Replay:
@@ -292,42 +377,51 @@ class Replay:
         if _walk.posts:
             raise ScheduleError("Replay simulates compute ops only; this order has REDUCE_GRAD ops")
         self._walk = _walk
-        self.walked = sum(len(ops) for ops in _walk.rank_ops) - _kept  # items this replay walked
+        self.over = _walk.over  # stopped early by a Cutoff
+        self.walked = sum(st[0] for st in _walk.state) - _kept  # items this replay walked
         self.rank_end = _walk.column(1)
         self.peak_activations = _walk.column(3)
         self.makespan = max(self.rank_end) if self.rank_end else 0.0
 
-    def changed(self, ranks: list[list], rank: int, index: int) -> Replay:
+    def changed(self, ranks: list[list], rank: int, index: int, cutoff: Cutoff | None = None) -> Replay:
         """The replay of ``ranks``: this order with ``rank``'s items from ``index`` on changed (same ops).
 
-        Raises ``ScheduleError`` on deadlock, like ``run_schedule``.
+        Raises ``ScheduleError`` on deadlock, like ``run_schedule``. With ``cutoff`` the walk stops
+        once the order is ruled out: the result then has ``over`` set and only ``walked`` is
+        meaningful.
         """
         old = self._walk
         trace = old.trace
         t0 = trace[rank][index][0] if index < len(trace[rank]) else float("inf")
         keep = [bisect_left(tr, t0, key=itemgetter(0)) for tr in trace]  # trace entries start with the op's start
         keep[rank] = min(keep[rank], index)
-        sched = Schedule(self.schedule.name, self.schedule.num_ranks, self.schedule.num_microbatches,
-                         self.schedule.placement, self.schedule.microbatch_chain, ranks)
-        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)])
-        end_of, templates, S = walk.end_of, walk.templates, walk.S
-        end_of[:] = old.end_of
+        sched = copy.copy(self.schedule)  # the same schedule but for its orders (no re-validation)
+        sched.ranks = ranks
+        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)], (old, rank))
+        end_of = walk.end_of
         for r, k in enumerate(keep):
-            for item in old.rank_ops[r][k:]:  # what the replayed ops make is not made yet
-                for op in K.parts(item):
-                    made = templates[op[0]][op[1] * S + op[2]][1]
-                    if made >= 0:
-                        end_of[made + 2 * op[3]] = -1.0
+            for entry in trace[r][k:]:  # what the replayed ops make is not made yet (negative: a spare slot)
+                end_of[entry[5]] = -1.0
+                end_of[entry[6]] = -1.0
             if k:
-                _, clock, live, peak, busy = trace[r][k - 1]
-                walk.state[r][:] = k, clock, live, peak, busy
+                walk.state[r][:] = k, *trace[r][k - 1][1:5]
                 walk.first[r] = trace[r][0][0]
-        walk.run()
+        if cutoff is not None:
+            work = old.column(4)  # a rank's ops are the same, their costs only change with the pairing
+            work[rank] = walk.work(rank)
+            walk.run(cutoff, work)
+        else:
+            walk.run()
         return Replay(sched, self.costs, walk, sum(keep))
 
 
 _TABLES: OrderedDict[tuple, dict] = OrderedDict()
 _TABLES_MAX = 64
+
+
+def _compute_items(ops: list) -> list:
+    """A rank's items without its communication batches (the walk times compute only)."""
+    return [i for i in ops if type(i) is not CommBatch]
 
 
 def _walk_table(placement: tuple, M: int, sc: StageCosts) -> dict[str, list[tuple]]:

@@ -404,7 +404,8 @@ def test_anneal_work_budget_ends_the_chain():
     finally:
         Replay.changed = real
     assert full // 4 <= sum(walked) < full // 2  # stopped soon after a quarter of the work
-    assert all(0 < w <= sum(len(ops) for ops in start) for w in walked)
+    assert all(0 <= w <= sum(len(ops) for ops in start) for w in walked)  # a cut-off replay may stop at once
+    assert any(w > 0 for w in walked)
 
 
 def test_fifo_policy_interleaves_the_chains():

@@ -10,7 +10,7 @@ from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule
 from mt_dualpipe.schedules.auto.local import ANNEAL_MOVES, neighbour, split_backward
 from mt_dualpipe.schedules.data_parallel import add_grad_reduction
 from mt_dualpipe.schedules.ir import Schedule
-from mt_dualpipe.schedules.simulate import Replay, run_schedule
+from mt_dualpipe.schedules.simulate import Cutoff, Replay, run_schedule
 
 CASES = [
     ("dualpipe", 4, 8, Costs([1, 2, 1, 1.5], 1.5, [0.5, 1, 1, 1], comm=0.3, a2a_f=0.5, a2a_b=1)),
@@ -57,9 +57,27 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
         assert got.rank_end == pytest.approx(ref.rank_end, abs=1e-12)
         assert got.peak_activations == ref.peak_activations
         assert 0 < got.walked <= sum(len(ops) for ops in cand)  # only what the move can change is walked again
+        _check_cutoff(base, cand, r, ref, rng)
         if rng.random() < 0.5:  # walk on, so later replays start from replayed orders
             ranks, base = cand, got
     assert deadlocks  # the moves do produce deadlocks, and those are reported as such
+
+
+def _check_cutoff(base: Replay, cand: list, r: int, ref, rng: random.Random) -> None:
+    """A cut-off replay stops exactly when the full result is over a peak or the score, else equals it."""
+    weight = rng.choice([0.0, 0.1 / len(cand)])
+    score = ref.makespan + weight * sum(ref.rank_end)
+    ceiling = score + rng.choice([-1.0, -0.25, 0.0, 0.5])
+    peaks = [p - (rng.random() < 0.1) for p in ref.peak_activations]
+    cut = base.changed(cand, r, _first_change(base.schedule.ranks[r], cand[r]), Cutoff(peaks, ceiling, weight))
+    ruled_out = score > ceiling + 1e-9 or any(p > c for p, c in zip(ref.peak_activations, peaks))
+    assert cut.over == ruled_out
+    if not ruled_out:
+        assert cut.makespan == pytest.approx(ref.makespan, abs=1e-12)
+        assert cut.rank_end == pytest.approx(ref.rank_end, abs=1e-12)
+        assert cut.peak_activations == ref.peak_activations
+    else:
+        assert cut.walked <= base.changed(cand, r, _first_change(base.schedule.ranks[r], cand[r])).walked
 
 
 def test_orders_with_reductions_are_refused():

@@ -23,7 +23,7 @@ from ..costs import Costs
 from ..errors import ScheduleError
 from ..ir import FB, ComputeItem, Op, Schedule
 from ..ops import OpKind, OpTable, parts
-from ..simulate import Replay, run_schedule
+from ..simulate import Cutoff, Replay, run_schedule
 from .layout import Layout
 
 Ranks = list[list[ComputeItem]]
@@ -49,15 +49,15 @@ def _replay(layout: Layout, costs: Costs, ranks: Ranks, what: str) -> Replay:
         raise ScheduleError(f"{what} needs a schedule that runs to completion") from exc
 
 
-def _try(base: Replay, cand: Ranks, r: int, lo: int, limits: list[int]) -> Replay | None:
-    """``base`` re-simulated with rank ``r`` changed from ``lo`` on; None on deadlock or over a limit."""
+def _try(base: Replay, cand: Ranks, r: int, lo: int, cutoff: Cutoff) -> Replay | None:
+    """``base`` re-simulated with rank ``r`` changed from ``lo`` on; None on deadlock.
+
+    The result has ``over`` set when it went over an activation limit or the cut-off score.
+    """
     try:
-        res = base.changed(cand, r, lo)
+        return base.changed(cand, r, lo, cutoff)
     except ScheduleError:
         return None
-    if any(p > lim for p, lim in zip(res.peak_activations, limits)):
-        return None
-    return res
 
 
 # ----- moves: each takes (rank's ops, index, rng, window) and returns a new order or None --------
@@ -343,8 +343,8 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
         lo, hi = _changed_span(ranks[r], cand[r])
         if waits_on_later(table, r, cand[r], lo, hi):
             continue
-        res = _try(base, cand, r, lo, limits)
-        if res is None:
+        res = _try(base, cand, r, lo, Cutoff(limits, cur[0] + 1e-9))
+        if res is None or res.over:
             continue
         score = (res.makespan, sum(res.rank_end))
         if _better(score, cur):
@@ -400,13 +400,13 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         lo, hi = _changed_span(ranks[r], cand[r])
         if waits_on_later(table, r, cand[r], lo, hi):
             continue
-        res = _try(base, cand, r, lo, limits)
+        u = rng.random()  # accept a loss up to temp * ln(1/u): exp(-loss / temp) > u
+        res = _try(base, cand, r, lo, Cutoff(limits, cur - temp * math.log(u) if u > 0 else math.inf, 0.1 / P))
         if res is None:
             continue
         spent += res.walked
-        new = _anneal_score(res, P)
-        if new <= cur or rng.random() < math.exp((cur - new) / temp):
-            ranks, cur, base = cand, new, res
+        if not res.over:
+            ranks, cur, base = cand, _anneal_score(res, P), res
             key = (res.makespan, sum(res.rank_end))
             if _better(key, best_key):
                 best, best_key = cand, key
@@ -435,8 +435,8 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
             new = ops[:i] + ops[i + 1:] + [w]
             cand = list(ranks)
             cand[r] = new
-            res = _try(base, cand, r, i, limits)
-            if res is None:
+            res = _try(base, cand, r, i, Cutoff(limits, cur[0] + 1e-9))
+            if res is None or res.over:
                 continue
             score = (res.makespan, sum(res.rank_end))
             if _better(score, cur):
