@@ -360,6 +360,10 @@ makespan losses that a chain spent most of its steps climbing back (P=8 dual, ex
 tie-break (a tenth of the mean rank end), which is where the better orders are found (95-97)."""
 
 
+ANNEAL_COOL = 0.01
+"""The end temperature of a chain as a fraction of its start temperature."""
+
+
 def _anneal_score(run: Replay, P: int) -> float:
     return run.makespan + 0.1 * sum(run.rank_end) / P
 
@@ -392,7 +396,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         done = max(step / steps, spent / work) if work else step / steps
         if done >= 1.0:
             break
-        temp = t_hi * 0.01 ** done
+        temp = t_hi * ANNEAL_COOL ** done
         r = rng.randrange(P)
         cand = neighbour(ranks, rng, r, window, moves)
         if cand is None:

@@ -56,14 +56,16 @@ ANNEAL_OP_BUDGET = 18_000_000
 """Annealing steps times ops per schedule when ``iterations`` is not given: where this allows
 ``ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS`` steps (small problems, up to about 600 ops) they run as that
 many chains; larger problems get one chain bounded by ``ANNEAL_WORK`` instead."""
-ANNEAL_WORK = 1_500_000
+ANNEAL_WORK = 3_000_000
 """Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
-what a move costs is the part of the order it walks again (at P=8, M=24 about 230 ops on the dual
-placement, 450 on the V, about 2 us each), so a budget of walked ops gives each placement about
-the same CPU (3-6 s) and the cheaper one more steps. The last thousands of steps still find better
-orders: dual placement, exposed all-to-all 1.0 of F, 15 000 steps 95-97, 30 000 steps 94-96, the
-bound being 94."""
-ANNEAL_MAX_STEPS = 40_000
+what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
+M=24 about 22 ops per step on the dual placement, 64 on the V, 1-2 us each), so a budget of walked
+ops gives each placement about the same CPU and the cheaper one more steps (here: dual 80 000,
+V about 47 000). Longer chains keep finding better orders (P=8, M=24, exposed all-to-all 1.0 of F,
+eight seeds: V 196.4 mean at 60 000 steps / 2.25 M ops, 195.1 at 80 000 / 3 M; best seen 193);
+a second chain of half the length finds less than one chain of the whole (9 of 24 runs over 1 %
+from the best known against 5)."""
+ANNEAL_MAX_STEPS = 80_000
 """At most this many steps in that chain, whatever the work."""
 WALK_OP_BUDGET = 60_000
 """Randomised walks times ops per schedule when ``iterations`` is not given (200 walks at most,
