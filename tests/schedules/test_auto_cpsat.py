@@ -46,10 +46,11 @@ def exposed_a2a_profile(seed: int) -> tuple[str, int, int, Costs]:
     return placement, P, M, Costs(f, b, w, comm=rng.choice([0.0, 0.0, 0.5]), a2a_f=a2a, a2a_b=a2a)
 
 
-EXPOSED_A2A_SEEDS = [2, 5, 6, 7, 13, 18, 22, 9]
+EXPOSED_A2A_SEEDS = [2, 5, 6, 7, 13, 18, 22, 9, 36, 46]
 """Profiles of ``exposed_a2a_profile`` whose optimum CP-SAT proves in a few seconds and that the
 heuristic of an earlier version missed by 0.8-5.3 % (docs/schedules.md, the auto section); 9 (dual, P = 3,
-M = 8: no hand schedule to start from) was missed by 5.7 % until the per-stage warm-up caps."""
+M = 8: no hand schedule to start from) was missed by 5.7 % until the per-stage warm-up caps; 36 and 46
+(V, P = 3 and 2) by 2.6 % and 2.3 % with 10 000 annealing steps per chain."""
 def best_hand(placement: str, P: int, M: int, costs: Costs, limit: int) -> float:
     runs = []
     for name in HAND_SCHEDULES[placement]:
@@ -128,9 +129,11 @@ def test_time_limit_is_honoured_and_gap_reported():
 
 
 def test_deterministic_for_a_seed():
+    """The solver's result for a seed does not vary (its warm start from a short heuristic run included)."""
     placement, P, M, costs = random_profile(100, fb_pairing=True)
-    a = build_schedule("auto", P, M, costs=costs, placement=placement, solver="cpsat", time_limit=30)
-    b = build_schedule("auto", P, M, costs=costs, placement=placement, solver="cpsat", time_limit=30)
+    opts = dict(costs=costs, placement=placement, solver="cpsat", time_limit=30, iterations=15)
+    a = build_schedule("auto", P, M, **opts)
+    b = build_schedule("auto", P, M, **opts)
     assert a.ranks == b.ranks
 
 
