@@ -390,6 +390,9 @@ class Replay:
         once the order is ruled out: the result then has ``over`` set and only ``walked`` is
         meaningful.
         """
+        if self.over:
+            raise ScheduleError("this replay was stopped by its Cutoff (it holds only part of a walk); "
+                                "change the replay it was made from")
         old = self._walk
         trace = old.trace
         t0 = trace[rank][index][0] if index < len(trace[rank]) else float("inf")

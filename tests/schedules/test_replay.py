@@ -78,6 +78,8 @@ def _check_cutoff(base: Replay, cand: list, r: int, ref, rng: random.Random) -> 
         assert cut.peak_activations == ref.peak_activations
     else:
         assert cut.walked <= base.changed(cand, r, _first_change(base.schedule.ranks[r], cand[r])).walked
+        with pytest.raises(ScheduleError, match="stopped by its Cutoff"):
+            cut.changed(cand, r, len(cand[r]))  # a partial walk is no base for another replay
 
 
 def test_orders_with_reductions_are_refused():
