@@ -3,6 +3,7 @@ its table agreeing, schedules left out with their reason, the auto lower bound, 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -44,10 +45,16 @@ def test_show_of_a_linear_schedule_keeps_plain_tokens():
     assert rank0[2:] == ["F0", "F1", "b0", "F2", "b1", "b2"]  # one stage per rank: no stage to tell apart
 
 
+@functools.cache
+def _auto_4x8():
+    """What ``show``/``compare`` run for ``auto -p 4 -m 8 --costs 1,2,1`` (built once for both tests)."""
+    return build_schedule("auto", 4, 8, costs=Costs(1, 2, 1))
+
+
 def test_show_auto_gives_its_lower_bound_and_gap(capsys):
     assert main(["show", "auto", "-p", "4", "-m", "8", "--costs", "1,2,1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    sched = build_schedule("auto", 4, 8, costs=Costs(1, 2, 1))
+    sched = _auto_4x8()
     makespan = simulate(sched, Costs(1, 2, 1)).makespan
     bound = sched.meta["lower_bound"]
     assert bound > 0
@@ -73,7 +80,7 @@ def test_compare_lists_left_out_schedules_with_the_reason_and_fits_80_columns():
 def test_compare_auto_shows_its_lower_bound_and_gap(capsys):
     assert main(["compare", "-p", "4", "-m", "8", "--costs", "1,2,1", "--auto"]) == 0
     out = capsys.readouterr().out
-    sched = build_schedule("auto", 4, 8, costs=Costs(1, 2, 1))
+    sched = _auto_4x8()
     makespan = simulate(sched, Costs(1, 2, 1)).makespan
     bound = sched.meta["lower_bound"]
     assert "bound (gap)" in out
