@@ -55,8 +55,7 @@ Ranks = list[list[ComputeItem]]
 ANNEAL_OP_BUDGET = 18_000_000
 """Annealing steps times ops per schedule when ``iterations`` is not given: where this allows
 ``ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS`` steps (small problems, up to about 600 ops) they run as that
-many chains of up to ``ANNEAL_MAX_CHAIN_STEPS``; larger problems get one chain bounded by
-``ANNEAL_WORK`` instead."""
+many chains; larger problems get one chain bounded by ``ANNEAL_WORK`` instead."""
 ANNEAL_WORK = 3_000_000
 """Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
 what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
@@ -75,10 +74,10 @@ ANNEAL_CHAINS = 3
 """Annealing chains on small problems (at least ``ANNEAL_CHAIN_STEPS`` steps each), each from one of
 the best orders of different makespans found before; larger ones get one longer chain from the best."""
 ANNEAL_CHAIN_STEPS = 10000
-ANNEAL_MAX_CHAIN_STEPS = 40_000
-"""Those chains get the op budget's steps up to this many: a step of a tiny problem is cheap, and
-its chains still find more with more steps (the 45 small profiles CP-SAT proves: 10 000 steps
-leave two 2.3-2.6 % above the optimum, 40 at it; up to 40 000 none above 1.85 %, 42 at it)."""
+"""Steps per chain on small problems. The 45 small profiles CP-SAT proves (docs/schedules.md): two
+end 2.3-2.6 % above the optimum, 40 at it; with the op budget shared up to 40 000 steps per chain
+none above 1.85 %, 42 at it, but at 2.2 times the time (3.3 s per call; the test suite then ran
+586 s of its 600), so not by default."""
 ANNEAL_HEATS = (ANNEAL_HEAT, 0.025, 0.0125)
 """The start temperature of each chain in turn (a single chain gets the first): which one finds an
 instance's optimum varies (on the small proved profiles 0.006 is best most often, on some 0.025
@@ -324,17 +323,16 @@ def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int, int |
     """(chains, steps per chain, walked ops per chain or None): ``10 * iterations`` steps in all when given.
 
     Small problems gain most from diverse starts, larger ones from one long walk (a chain too short
-    to cool down finds little): ``ANNEAL_CHAINS`` chains sharing ``ANNEAL_OP_BUDGET`` (at most
-    ``ANNEAL_MAX_CHAIN_STEPS`` steps each) where that gives each ``ANNEAL_CHAIN_STEPS``, else one
-    chain of up to ``ANNEAL_MAX_STEPS`` steps and ``ANNEAL_WORK`` re-simulated ops.
+    to cool down finds little): ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS`` where
+    ``ANNEAL_OP_BUDGET`` allows it, else one chain of up to ``ANNEAL_MAX_STEPS`` steps and
+    ``ANNEAL_WORK`` re-simulated ops.
     """
     if iterations is not None:
         total = 10 * iterations
         chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
         return chains, total // chains, None
-    per_chain = ANNEAL_OP_BUDGET // (ANNEAL_CHAINS * op_count(layout))
-    if per_chain >= ANNEAL_CHAIN_STEPS:
-        return ANNEAL_CHAINS, min(per_chain, ANNEAL_MAX_CHAIN_STEPS), None
+    if ANNEAL_OP_BUDGET // op_count(layout) >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS:
+        return ANNEAL_CHAINS, ANNEAL_CHAIN_STEPS, None
     return 1, ANNEAL_MAX_STEPS, ANNEAL_WORK
 
 
