@@ -75,18 +75,17 @@ def check_exact(placement: str, P: int, M: int, costs: Costs):
     return exact, res.makespan
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=() if s < 4 else pytest.mark.slow) for s in range(6)])
+@pytest.mark.parametrize("seed", range(6))
 def test_cpsat_proves_small_random_profiles_and_heuristic_is_within_2_percent(seed):
-    """Seeds 4 and 5 run with ``-m slow`` (the default run keeps 0-3, the FB-pairing and exposed all-to-all cases)."""
     placement, P, M, costs = random_profile(seed)
     _, optimum = check_exact(placement, P, M, costs)
     heuristic = build_schedule("auto", P, M, costs=costs, placement=placement)
     assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.02 * optimum
 
 
-@pytest.mark.parametrize("seed", [0, 1, 3, pytest.param(5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("seed", [0, 1, 3, 5])
 def test_cpsat_proves_fb_pairing_profiles(seed):
-    """Exposed all-to-all on V and dual placements: FB units pay, and the optimum uses them (seed 5 with -m slow)."""
+    """Exposed all-to-all on V and dual placements: FB units pay, and the optimum uses them."""
     placement, P, M, costs = random_profile(100 + seed, fb_pairing=True)
     exact, optimum = check_exact(placement, P, M, costs)
     assert any(item.kind == "FB" for ops in exact.ranks for item in ops)
@@ -94,11 +93,10 @@ def test_cpsat_proves_fb_pairing_profiles(seed):
     assert optimum - 1e-9 <= heuristic.meta["makespan"] <= 1.02 * optimum
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=() if i < 1 else pytest.mark.slow)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=() if i < 2 else pytest.mark.slow)
                                   for i, s in enumerate(EXPOSED_A2A_SEEDS)])
 def test_heuristic_within_2_percent_of_proved_optimum_with_exposed_all_to_all(seed):
-    """The issue's test on V and dual placements where FB units hide the all-to-all and the last stage is heavy
-    (the default run keeps the first seed; ``-m slow`` runs all eight)."""
+    """The issue's test on V and dual placements where FB units hide the all-to-all and the last stage is heavy."""
     placement, P, M, costs = exposed_a2a_profile(seed)
     _, optimum = check_exact(placement, P, M, costs)
     heuristic = build_schedule("auto", P, M, costs=costs, placement=placement)
