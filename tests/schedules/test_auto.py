@@ -39,8 +39,8 @@ from mt_dualpipe.schedules.auto.search import (
     ANNEAL_CHAIN_STEPS,
     ANNEAL_CHAINS,
     ANNEAL_MAX_STEPS,
-    ANNEAL_OP_BUDGET,
     ANNEAL_WORK,
+    SMALL_PROBLEM_OPS,
     anneal_plan,
 )
 from mt_dualpipe.schedules.ir import FB, Op
@@ -377,7 +377,7 @@ def test_anneal_never_returns_worse_and_keeps_the_limit():
 def test_anneal_plan_many_short_chains_small_one_long_chain_large():
     """Three chains from diverse starts on small problems, one long chain bounded by re-simulated ops on
     large ones; ``iterations`` caps it."""
-    assert ANNEAL_OP_BUDGET == 18_000_000 and ANNEAL_CHAINS == 3
+    assert SMALL_PROBLEM_OPS == 600 and ANNEAL_CHAINS == 3
     assert anneal_plan(Layout.named("v", 2, 4), None) == (3, ANNEAL_CHAIN_STEPS, None)  # 48 ops
     assert anneal_plan(Layout.named("v", 4, 24), None) == (3, ANNEAL_CHAIN_STEPS, None)  # 576 ops
     assert anneal_plan(Layout.named("v", 4, 26), None) == (1, ANNEAL_MAX_STEPS, ANNEAL_WORK)  # 624 ops

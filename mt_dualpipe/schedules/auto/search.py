@@ -10,7 +10,8 @@
    exposed all-to-all or a cheaper ``fb``): walks with eager W's, every BW split into B then W
    (never worse: same rank time and memory, gradients out one W sooner), W's pushed late, and a
    local search with ``FB_MOVES``. This is what the exact solver's schedules do differently.
-6. **Warm-up caps** (same condition): coordinate descent on each stage's ``Policy.stage_caps``.
+6. **Warm-up caps** (on two-chain placements, or where FB units save time): coordinate descent on
+   each stage's ``Policy.stage_caps``.
 7. **Annealing** (``local.anneal``) from the few best orders of different makespans and the best
    capped one: crosses the moves that each cost something alone (unpair a unit here, move a B on
    the next rank) that the exact schedules are often separated from ours by.
@@ -52,10 +53,9 @@ HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "d
 """The hand schedules ``auto`` starts from and must never lose to, per placement."""
 
 Ranks = list[list[ComputeItem]]
-ANNEAL_OP_BUDGET = 18_000_000
-"""Annealing steps times ops per schedule when ``iterations`` is not given: where this allows
-``ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS`` steps (small problems, up to about 600 ops) they run as that
-many chains; larger problems get one chain bounded by ``ANNEAL_WORK`` instead."""
+SMALL_PROBLEM_OPS = 600
+"""When ``iterations`` is not given, orders of up to this many ops (``op_count``) anneal as
+``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS``; larger ones as one chain bounded by ``ANNEAL_WORK``."""
 ANNEAL_WORK = 3_000_000
 """Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
 what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
@@ -323,15 +323,15 @@ def anneal_plan(layout: Layout, iterations: int | None) -> tuple[int, int, int |
     """(chains, steps per chain, walked ops per chain or None): ``10 * iterations`` steps in all when given.
 
     Small problems gain most from diverse starts, larger ones from one long walk (a chain too short
-    to cool down finds little): ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS`` where
-    ``ANNEAL_OP_BUDGET`` allows it, else one chain of up to ``ANNEAL_MAX_STEPS`` steps and
+    to cool down finds little): ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS`` up to
+    ``SMALL_PROBLEM_OPS`` ops, else one chain of up to ``ANNEAL_MAX_STEPS`` steps and
     ``ANNEAL_WORK`` re-simulated ops.
     """
     if iterations is not None:
         total = 10 * iterations
         chains = ANNEAL_CHAINS if total >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS else 1
         return chains, total // chains, None
-    if ANNEAL_OP_BUDGET // op_count(layout) >= ANNEAL_CHAINS * ANNEAL_CHAIN_STEPS:
+    if op_count(layout) <= SMALL_PROBLEM_OPS:
         return ANNEAL_CHAINS, ANNEAL_CHAIN_STEPS, None
     return 1, ANNEAL_MAX_STEPS, ANNEAL_WORK
 
