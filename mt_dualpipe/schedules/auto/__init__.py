@@ -26,11 +26,11 @@ from .bound import lower_bound, unpaired_bound, work_bound
 from .build import build_auto
 from .layout import PLACEMENTS, Layout, memory_limits
 from .listsched import Choice, list_schedule
-from .local import ANNEAL_MOVES, FB_MOVES, MOVES, anneal, evaluate, local_search, split_backward
+from .local import ANNEAL_MOVES, ANNEAL_PLAIN_MOVES, FB_MOVES, MOVES, anneal, evaluate, local_search, split_backward
 from .policies import Policy, policies
 from .search import HAND_SCHEDULES
 
 __all__ = ["build_auto", "lower_bound", "unpaired_bound", "work_bound", "Layout", "PLACEMENTS", "memory_limits",
-           "Choice", "list_schedule", "MOVES", "FB_MOVES", "ANNEAL_MOVES", "anneal", "evaluate", "local_search",
-           "split_backward", "Policy",
+           "Choice", "list_schedule", "MOVES", "FB_MOVES", "ANNEAL_MOVES", "ANNEAL_PLAIN_MOVES", "anneal", "evaluate",
+           "local_search", "split_backward", "Policy",
            "policies", "HAND_SCHEDULES"]

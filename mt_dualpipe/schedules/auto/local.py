@@ -7,8 +7,9 @@ picked half of the time. A move that makes an op wait for one after it on the sa
 rejected without simulating (``waits_on_later``, exact: such an order always deadlocks).
 
 Order transforms used around it: ``split_backward`` (every BW as B then W: never worse),
-``sink_ws`` (W's to the end of their rank where that does not hurt) and ``in_microbatch_order``
-(what the exact backend's symmetry breaking needs of its hint).
+``sink_ws`` (W's to the end of their rank where that does not hurt), ``renumber`` (micro-batches
+in order per stage and kind: never worse either; annealing keeps its orders so) and
+``in_microbatch_order`` (what the exact backend's symmetry breaking needs of its hint).
 """
 
 from __future__ import annotations
@@ -188,6 +189,21 @@ def _unpair_spread(ops: list[ComputeItem], i: int, rng: random.Random, window: i
     return ops[:i] + [first] + ops[i + 1:j] + [second] + ops[j:]
 
 
+def _pull_w(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
+    """Move a W to right after its B: what merging them into one BW does, with the backward kept split
+    (annealing keeps every order free of BW's, see ``renumber``)."""
+    item = ops[i]
+    if type(item) is not Op or item.kind != OpKind.W:
+        return None
+    j = next((k for k in range(i - 1, -1, -1) if type(ops[k]) is Op and ops[k].kind == OpKind.B
+              and ops[k][1:] == item[1:]), None)
+    if j is None or j + 1 == i:
+        return None
+    new = list(ops)
+    new.insert(j + 1, new.pop(i))
+    return new
+
+
 def _pair_pull(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
     """Pair a lone F or B with a partner up to two windows later, the unit at the later place.
 
@@ -229,13 +245,22 @@ ANNEAL_MOVES: tuple[tuple[str, float, Move], ...] = (
 )
 """The moves of annealing where FB units pay: the FB polish's, plus the compound ``unpair_spread``
 and ``pair_pull`` (one move each for what the exact schedules do in two)."""
+ANNEAL_PLAIN_MOVES: tuple[tuple[str, float, Move], ...] = (
+    ("shift", 0.35, _shift),
+    ("pair", 0.20, _pair),
+    ("unpair", 0.15, _unpair),
+    ("pull_w", 0.15, _pull_w),
+    ("swap", 0.15, _swap),
+)
+"""The moves of annealing where FB units do not pay: ``MOVES`` with ``pull_w`` for ``split_bw``, so that
+every order stays free of BW's."""
 
 
 def _bounds(moves: tuple[tuple[str, float, Move], ...]) -> list[float]:
     return [round(x, 12) for x in accumulate(p for _, p, _ in moves)]
 
 
-_BOUNDS = {id(m): _bounds(m) for m in (MOVES, FB_MOVES, ANNEAL_MOVES)}
+_BOUNDS = {id(m): _bounds(m) for m in (MOVES, FB_MOVES, ANNEAL_MOVES, ANNEAL_PLAIN_MOVES)}
 
 
 def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
@@ -317,6 +342,43 @@ def in_microbatch_order(ranks: list[list[ComputeItem]]) -> bool:
     return True
 
 
+def renumber(ops: list[ComputeItem], lo: int, hi: int, like: list[ComputeItem] | None = None) -> list[ComputeItem]:
+    """``ops`` with the micro-batches of ``ops[lo:hi + 1]`` renumbered in order per (kind, chain, stage).
+
+    The micro-batches of a chain are interchangeable: give every (kind, chain, stage)'s k-th op the
+    k-th of the micro-batches it runs, on every rank, and no op starts later than it did (when the
+    k-th op of a kind started, k of its inputs were done, so the k-th producer was: the old times
+    meet every wait of the new order, and the simulator starts each op as early as its waits allow),
+    often sooner; the activation counts are the same (they count ops in order, not micro-batches).
+    So orders in this form lose nothing, and annealing keeps to them: a move that only exchanges
+    interchangeable ops then changes nothing and is not simulated, and the result keeps the
+    micro-batch order the exact backend's symmetry breaking needs. Only ``ops[lo:hi + 1]`` is
+    renumbered, with its own micro-batches: enough after a move inside that span of an order
+    already in this form. It needs backwards split (a BW is a B and a W that would have to keep
+    one number). Items equal to ``like``'s at the same index are ``like``'s (``_changed_span``
+    compares identity).
+    """
+    pools: dict[tuple[str, int, int], list[int]] = {}
+    for item in ops[lo:hi + 1]:
+        for op in parts(item):
+            pools.setdefault(op[:3], []).append(op.mb)
+    for mbs in pools.values():
+        mbs.sort(reverse=True)  # pop() hands them out smallest first
+
+    def numbered(op: Op) -> Op:
+        mb = pools[op[:3]].pop()
+        return op if mb == op.mb else Op(op.kind, op.chain, op.stage, mb)
+
+    out = list(ops)
+    for i in range(lo, hi + 1):
+        item = ops[i]
+        new = FB(numbered(item.f), numbered(item.b)) if type(item) is FB else numbered(item)
+        if like is not None and i < len(like) and new == like[i]:
+            new = like[i]
+        out[i] = item if new == item else new
+    return out
+
+
 def _better(score: tuple[float, float], cur: tuple[float, float]) -> bool:
     """Lower makespan, or the same makespan and no larger sum of rank end times."""
     return score[0] < cur[0] - 1e-9 or (score[0] <= cur[0] + 1e-9 and score[1] <= cur[1] + 1e-9)
@@ -382,7 +444,13 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     non-critical rank finish sooner is a step towards one that shortens the critical rank (as in
     ``local_search``'s tie-break). With ``work`` the chain also ends once its replays have walked that
     many ops (``simulate.Replay.walked``), and cools by whichever of steps and work is further spent.
+    Orders are kept with backwards split and micro-batches renumbered in order (``renumber``), so
+    ``moves`` may not merge a B and its W (``ANNEAL_PLAIN_MOVES`` is ``MOVES`` without that).
     """
+    if any(fn is _split_bw for _, _, fn in moves):
+        raise ScheduleError("anneal keeps every backward split into B and W, so its moves cannot include "
+                            "split_bw; allowed: ANNEAL_MOVES, ANNEAL_PLAIN_MOVES or others without it")
+    ranks = [renumber(ops, 0, len(ops) - 1) for ops in split_backward(ranks)]
     base = _replay(layout, costs, ranks, "annealing")
     P = layout.P
     cur = _anneal_score(base, P)
@@ -402,7 +470,9 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         if cand is None:
             continue
         lo, hi = _changed_span(ranks[r], cand[r])
-        if waits_on_later(table, r, cand[r], lo, hi):
+        cand[r] = renumber(cand[r], lo, hi, ranks[r])
+        lo, hi = _changed_span(ranks[r], cand[r])
+        if lo > hi or waits_on_later(table, r, cand[r], lo, hi):  # lo > hi: only equals exchanged
             continue
         u = rng.random()  # accept a loss up to temp * ln(1/u): exp(-loss / temp) > u
         res = _try(base, cand, r, lo, Cutoff(limits, cur - temp * math.log(u) if u > 0 else math.inf, 0.1 / P))

@@ -14,7 +14,9 @@
    each stage's ``Policy.stage_caps``.
 7. **Annealing** (``local.anneal``) from the few best orders of different makespans and the best
    capped one: crosses the moves that each cost something alone (unpair a unit here, move a B on
-   the next rank) that the exact schedules are often separated from ours by.
+   the next rank) that the exact schedules are often separated from ours by. Its orders keep
+   backwards split and micro-batches in order (``local.renumber``), so its result is also a hint
+   the exact backend's symmetry breaking accepts.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
 steps of local search and annealing by ``simulate.Replay``; the search is bounded by iteration
@@ -39,8 +41,8 @@ from .listsched import list_schedule
 from .local import (
     ANNEAL_HEAT,
     ANNEAL_MOVES,
+    ANNEAL_PLAIN_MOVES,
     FB_MOVES,
-    MOVES,
     anneal,
     in_microbatch_order,
     local_search,
@@ -347,7 +349,7 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     chains, steps, work = anneal_plan(search.layout, iterations)
     if search.expired() or not steps:
         return
-    moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else MOVES
+    moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else ANNEAL_PLAIN_MOVES
     for k, cand in enumerate(_anneal_starts(search, chains)):
         start, source = split_backward(cand.ranks), cand.source
         ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
