@@ -374,6 +374,45 @@ def test_anneal_never_returns_worse_and_keeps_the_limit():
     validate(Schedule("auto", 4, 8, layout.placement, layout.microbatch_chain, ranks))
 
 
+def test_anneal_ends_once_its_best_is_at_the_floor():
+    """Given its result as ``floor``, a chain walks the same path and stops where it first reached it;
+    a start at the floor is returned at once."""
+    layout = Layout.named("v", 4, 8)
+    costs = Costs(1, 1, 1, a2a_f=1, a2a_b=1)
+    start = split_backward(build_schedule("dualpipev", 4, 8).ranks)
+    calls = []
+    real = Replay.changed
+
+    def counting(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    Replay.changed = counting
+    try:
+        full, makespan = anneal(layout, costs, [9] * 4, start, random.Random(0), 400, None)
+        n_full = len(calls)
+        calls.clear()
+        early, at_floor = anneal(layout, costs, [9] * 4, start, random.Random(0), 400, None, floor=makespan)
+        n_early = len(calls)
+        calls.clear()
+        same, start_makespan = anneal(layout, costs, [9] * 4, start, random.Random(0), 400, None, floor=80.0)
+    finally:
+        Replay.changed = real
+    assert at_floor == makespan < evaluate(layout, costs, start)[0] == start_makespan
+    assert evaluate(layout, costs, early)[0] == makespan
+    assert 0 < n_early < n_full and not calls and same == start
+
+
+def test_search_ends_at_the_lower_bound():
+    """Uniform costs: the policy grid reaches the bound, so no walk, local search or annealing runs."""
+    sched = build_schedule("auto", 8, 24, placement="dual")
+    meta = sched.meta
+    bound = lower_bound(Layout.named("dual", 8, 24), Costs())
+    assert meta["optimal"] and meta["makespan"] == meta["lower_bound"] == bound
+    assert meta["walks"] == 0 and meta["source"] == "list"
+    assert meta["makespan"] < meta["baselines"]["dualpipe"]["makespan"]
+
+
 def test_anneal_plan_many_short_chains_small_one_long_chain_large():
     """Three chains from diverse starts on small problems, one long chain bounded by re-simulated ops on
     large ones; ``iterations`` caps it."""

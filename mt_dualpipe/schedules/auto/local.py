@@ -432,7 +432,8 @@ def _anneal_score(run: Replay, P: int) -> float:
 
 def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
            deadline: float | None, moves: tuple[tuple[str, float, Move], ...] = ANNEAL_MOVES,
-           window: int = 6, heat: float = ANNEAL_HEAT, work: int | None = None) -> tuple[Ranks, float]:
+           window: int = 6, heat: float = ANNEAL_HEAT, work: int | None = None,
+           floor: float = -math.inf) -> tuple[Ranks, float]:
     """Simulated annealing on per-rank orders; the best order seen and its makespan.
 
     Hill climbing stops where every single move costs something, yet the exact schedules are often
@@ -444,6 +445,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     non-critical rank finish sooner is a step towards one that shortens the critical rank (as in
     ``local_search``'s tie-break). With ``work`` the chain also ends once its replays have walked that
     many ops (``simulate.Replay.walked``), and cools by whichever of steps and work is further spent.
+    The chain ends early once its best order's makespan is ``floor`` (a lower bound: it is optimal).
     Orders are kept with backwards split and micro-batches renumbered in order (``renumber``), so
     ``moves`` may not merge a B and its W (``ANNEAL_PLAIN_MOVES`` is ``MOVES`` without that).
     """
@@ -455,6 +457,8 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     P = layout.P
     cur = _anneal_score(base, P)
     best, best_key = ranks, (base.makespan, sum(base.rank_end))
+    if base.makespan <= floor + 1e-9:
+        return best, base.makespan
     t_hi = heat * base.makespan / P
     spent = 0
     table = OpTable(layout.placement, layout.M)
@@ -484,6 +488,8 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
             key = (res.makespan, sum(res.rank_end))
             if _better(key, best_key):
                 best, best_key = cand, key
+                if key[0] <= floor + 1e-9:
+                    break
     return best, best_key[0]
 
 

@@ -25,6 +25,7 @@ counts and re-simulated ops, not the clock, so a seed gives one result.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ from ..ir import ComputeItem, Schedule
 from ..ops import OpTable
 from ..registry import build_schedule
 from ..simulate import run_schedule
+from .bound import lower_bound
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
 from .local import (
@@ -143,6 +145,7 @@ class Search:
     costs: Costs
     limits: list[int]
     deadline: float | None = None
+    floor: float = -math.inf  # a lower bound of the makespan (``bound.lower_bound``): reaching it ends the search
     best: Candidate | None = None
     best_ordered: Candidate | None = None  # the best that keeps micro-batch order (what CP-SAT is hinted with)
     out_of_time: bool = False
@@ -189,10 +192,15 @@ class Search:
         del pool[ANNEAL_CHAINS:]
 
     def expired(self) -> bool:
-        """True once the deadline passed and a valid order exists (then every phase stops)."""
+        """True once the deadline passed and a valid order exists, or the best order is at ``floor`` (then
+        every phase stops)."""
         if self.best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
             self.out_of_time = True
-        return self.out_of_time
+        return self.out_of_time or self.at_floor()
+
+    def at_floor(self) -> bool:
+        """True when the best order's makespan is the lower bound: it is optimal, nothing is left to find."""
+        return self.best is not None and self.best.makespan <= self.floor + 1e-9
 
     def try_policies(self, pols: list[Policy], walk: Callable[[Policy], Ranks | None]) -> None:
         for pol in pols:
@@ -353,7 +361,8 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     for k, cand in enumerate(_anneal_starts(search, chains)):
         start, source = split_backward(cand.ranks), cand.source
         ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
-                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work)
+                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work,
+                                 floor=search.floor)
         if makespan < search.best.makespan - 1e-9:
             search.consider(ranks, source + "+anneal")
         if search.expired():
@@ -396,7 +405,8 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
     if min(limits) < layout.min_limit:
         raise ScheduleError(f"memory_limit {limit_value!r} is too small for placement {layout.name!r}: a micro-batch "
                             f"needs {layout.min_limit} activation slot(s) on one rank; allowed: >= {layout.min_limit}")
-    search = Search(layout, costs, limits, None if time_budget is None else started + time_budget)
+    search = Search(layout, costs, limits, None if time_budget is None else started + time_budget,
+                    lower_bound(layout, costs))
     baselines: dict[str, dict] = {}
     for h in hands:
         fits = all(p <= lim for p, lim in zip(h.peaks, limits))
