@@ -63,14 +63,17 @@ SMALL_PROBLEM_OPS = 600
 ANNEAL_WORK = 3_000_000
 """Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
 what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
-M=24 about 22 ops per step on the dual placement, 64 on the V, 1-2 us each), so a budget of walked
-ops gives each placement about the same CPU and the cheaper one more steps (here: dual 80 000,
-V about 47 000). Longer chains keep finding better orders (P=8, M=24, exposed all-to-all 1.0 of F,
-eight seeds: V 196.4 mean at 60 000 steps / 2.25 M ops, 195.1 at 80 000 / 3 M; best seen 193);
-a second chain of half the length finds less than one chain of the whole (9 of 24 runs over 1 %
-from the best known against 5)."""
-ANNEAL_MAX_STEPS = 80_000
-"""At most this many steps in that chain, whatever the work."""
+M=24 about 18 ops per step on the dual placement, 64 on the V, 1-2 us each), so a budget of walked
+ops gives each placement about the same CPU and the cheaper one more steps (here: dual 120 000
+in 2.2 M ops, V about 47 000). Longer chains keep finding better orders (P=8, M=24, exposed
+all-to-all 1.0 of F, eight seeds: V 196.4 mean at 60 000 steps / 2.25 M ops, 195.1 at 80 000 / 3 M;
+best seen 192); a second chain of half the length finds less than one chain of the whole (9 of 24
+runs over 1 % from the best known against 5)."""
+ANNEAL_MAX_STEPS = 120_000
+"""At most this many steps in that chain, whatever the work: the dual placement's bound. With
+exposed all-to-all 1.0 of F at P=8, M=24, seeds 0-19 reach the optimum (94, the lower bound) on
+11 at 80 000 steps and on 16 at 120 000, 5.1 s per call on average (the chain ends there); 0.5 of F
+never reaches its bound: 86.38 mean at 80 000 (5.4 s), 86.25 at 120 000 (7.0 s)."""
 WALK_OP_BUDGET = 60_000
 """Randomised walks times ops per schedule when ``iterations`` is not given (200 walks at most,
 10 at least): on large problems annealing finds more in the same time than more walks do."""
