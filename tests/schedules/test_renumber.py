@@ -12,13 +12,13 @@ from mt_dualpipe.schedules.auto import ANNEAL_PLAIN_MOVES, MOVES, Layout, anneal
 from mt_dualpipe.schedules.auto.local import (
     ANNEAL_MOVES,
     in_microbatch_order,
-    neighbour,
     renumber,
     split_backward,
 )
 from mt_dualpipe.schedules.ir import Op, Schedule
 from mt_dualpipe.schedules.ops import OpKind, parts
 from mt_dualpipe.schedules.simulate import run_schedule
+from tests.helpers.schedules import random_move
 
 CASES = [
     ("dualpipe", 4, 8, Costs([1, 2, 1, 1.5], 1.5, [0.5, 1, 1, 1], comm=0.3, a2a_f=0.5, a2a_b=1)),
@@ -47,10 +47,7 @@ def _scrambled(name: str, P: int, M: int, moves: int, rng: random.Random) -> tup
     ranks = split_backward(sched.ranks)
     done = 0
     while done < moves:
-        r = rng.randrange(P)
-        cand = neighbour(ranks, rng, r, 6, ANNEAL_MOVES)
-        if cand is None:
-            continue
+        _, cand = random_move(ranks, rng)
         try:
             run_schedule(Schedule("x", P, M, sched.placement, sched.microbatch_chain, cand), record=False)
         except ScheduleError:
@@ -97,10 +94,7 @@ def test_renumbering_the_changed_span_puts_an_order_back_in_order(name, P, M, co
     ranks = [renumber(ops, 0, len(ops) - 1) for ops in split_backward(sched.ranks)]
     checked = unchanged = 0
     while checked < 200:
-        r = rng.randrange(P)
-        cand = neighbour(ranks, rng, r, 6, ANNEAL_MOVES)
-        if cand is None:
-            continue
+        r, cand = random_move(ranks, rng)
         lo = next((i for i, (a, b) in enumerate(zip(ranks[r], cand[r])) if a is not b), None)
         if lo is None:
             continue

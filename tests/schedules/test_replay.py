@@ -7,10 +7,11 @@ import random
 import pytest
 
 from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule
-from mt_dualpipe.schedules.auto.local import ANNEAL_MOVES, neighbour, split_backward
+from mt_dualpipe.schedules.auto.local import split_backward
 from mt_dualpipe.schedules.data_parallel import add_grad_reduction
 from mt_dualpipe.schedules.ir import Schedule
 from mt_dualpipe.schedules.simulate import Cutoff, Replay, run_schedule
+from tests.helpers.schedules import random_move
 
 CASES = [
     ("dualpipe", 4, 8, Costs([1, 2, 1, 1.5], 1.5, [0.5, 1, 1, 1], comm=0.3, a2a_f=0.5, a2a_b=1)),
@@ -40,10 +41,7 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
     assert base.walked == total  # a fresh replay walks every op
     compared = deadlocks = 0
     while compared < 300:
-        r = rng.randrange(P)
-        cand = neighbour(ranks, rng, r, 6, ANNEAL_MOVES)
-        if cand is None:
-            continue
+        r, cand = random_move(ranks, rng)
         compared += 1
         try:
             ref = run_schedule(order(cand), costs, record=False)
