@@ -116,6 +116,13 @@ def _unpair(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> 
     return ops[:i] + halves + ops[i + 1:]
 
 
+def _own_b(ops: list[ComputeItem], i: int) -> int | None:
+    """The index of the lone B before the W at ``ops[i]`` that is its own (same chain, stage, micro-batch)."""
+    w = ops[i]
+    return next((k for k in range(i - 1, -1, -1) if type(ops[k]) is Op and ops[k].kind == OpKind.B
+                 and ops[k][1:] == w[1:]), None)
+
+
 def _split_bw(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> list[ComputeItem] | None:
     """A lone BW becomes B then W; a W merges back into its B as one BW."""
     item = ops[i]
@@ -128,8 +135,7 @@ def _split_bw(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -
         return new
     if item.kind != OpKind.W:
         return None
-    j = next((k for k in range(i - 1, -1, -1) if type(ops[k]) is Op and ops[k].kind == OpKind.B
-              and ops[k][1:] == item[1:]), None)
+    j = _own_b(ops, i)
     if j is None:
         return None
     new[j] = Op(OpKind.BW, item.chain, item.stage, item.mb)
@@ -195,8 +201,7 @@ def _pull_w(ops: list[ComputeItem], i: int, rng: random.Random, window: int) -> 
     item = ops[i]
     if type(item) is not Op or item.kind != OpKind.W:
         return None
-    j = next((k for k in range(i - 1, -1, -1) if type(ops[k]) is Op and ops[k].kind == OpKind.B
-              and ops[k][1:] == item[1:]), None)
+    j = _own_b(ops, i)
     if j is None or j + 1 == i:
         return None
     new = list(ops)
@@ -281,12 +286,17 @@ def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
     return out
 
 
-def _changed_span(old: list[ComputeItem], new: list[ComputeItem]) -> tuple[int, int]:
-    """The first and last index of ``new`` where it differs from ``old`` (same prefix and suffix kept)."""
-    lo, n_old, n_new = 0, len(old), len(new)
+def _changed_span(old: list[ComputeItem], new: list[ComputeItem], lo: int = 0,
+                  hi: int | None = None) -> tuple[int, int]:
+    """The first and last index of ``new`` where it differs from ``old`` (same prefix and suffix kept).
+
+    ``lo``/``hi``: ``new`` is known to keep ``old``'s items outside ``new[lo:hi + 1]`` (the scans start there).
+    """
+    n_old, n_new = len(old), len(new)
     while lo < n_old and lo < n_new and old[lo] is new[lo]:
         lo += 1
-    hi_old, hi_new = n_old - 1, n_new - 1
+    hi_new = n_new - 1 if hi is None else hi
+    hi_old = hi_new + n_old - n_new
     while hi_old >= lo and hi_new >= lo and old[hi_old] is new[hi_new]:
         hi_old, hi_new = hi_old - 1, hi_new - 1
     return lo, hi_new
@@ -475,7 +485,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
             continue
         lo, hi = _changed_span(ranks[r], cand[r])
         cand[r] = renumber(cand[r], lo, hi, ranks[r])
-        lo, hi = _changed_span(ranks[r], cand[r])
+        lo, hi = _changed_span(ranks[r], cand[r], lo, hi)  # renumbering only narrows the span
         if lo > hi or waits_on_later(table, r, cand[r], lo, hi):  # lo > hi: only equals exchanged
             continue
         u = rng.random()  # accept a loss up to temp * ln(1/u): exp(-loss / temp) > u

@@ -361,13 +361,12 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     if search.expired() or not steps:
         return
     moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else ANNEAL_PLAIN_MOVES
-    for k, cand in enumerate(_anneal_starts(search, chains)):
-        start, source = split_backward(cand.ranks), cand.source
-        ranks, makespan = anneal(search.layout, search.costs, search.limits, start, random.Random(rng.getrandbits(32)),
-                                 steps, search.deadline, moves, heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work,
-                                 floor=search.floor)
+    for k, cand in enumerate(_anneal_starts(search, chains)):  # anneal splits each start's backwards itself
+        ranks, makespan = anneal(search.layout, search.costs, search.limits, cand.ranks,
+                                 random.Random(rng.getrandbits(32)), steps, search.deadline, moves,
+                                 heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work, floor=search.floor)
         if makespan < search.best.makespan - 1e-9:
-            search.consider(ranks, source + "+anneal")
+            search.consider(ranks, cand.source + "+anneal")
         if search.expired():
             return
 
