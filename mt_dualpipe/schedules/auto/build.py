@@ -37,17 +37,18 @@ def _polish(search: Search, seed: int, time_limit: float, floor: float) -> dict:
 
 @register("auto", "cost-aware search (list scheduling + local search, optional CP-SAT) under a per-rank "
           "activation limit",
-          "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual, solver heuristic|cpsat",
+          "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual, "
+          "solver heuristic|cpsat, workers",
           placement="option")
 def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None,
                memory_limit: int | Sequence[int] | None = None, placement: str = "linear", seed: int = 0,
                time_budget: float | None = None, iterations: int | None = None, solver: str = "heuristic",
-               time_limit: float | None = None) -> Schedule:
+               time_limit: float | None = None, workers: int | None = None) -> Schedule:
     """Search an op order for ``costs`` that fits ``memory_limit`` activations per rank.
 
     ``iterations`` bounds the search: that many randomised list-scheduling walks, then ten times
     as many local-search moves, at least 1000, and ten times as many annealing steps (default: one
-    walk per 8 ops of the problem, 10 to 200, and annealing steps for about 6 M simulated ops;
+    walk per 8 ops of the problem, 10 to 200, and annealing as ``search.anneal_plan`` sizes it;
     0 keeps only the hand schedules and the policy grid).
     The search is bounded by ``iterations``, not by the clock, so the result is deterministic for a
     given seed (about 1 s of CPU at P <= 4, M <= 8; 4-9 s at P=8, M=24; it ends as soon as an order
@@ -56,13 +57,19 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     exists — faster, but then the result depends on the machine's speed
     (``meta["stopped_by_time_budget"]`` says whether it did).
 
+    On large problems (more than ``search.SMALL_PROBLEM_OPS`` ops, ``iterations`` not given) a second
+    annealing chain starts from the best hand schedule at once, in a child process when ``workers``
+    (default: 2 on a machine with two cores or more) allows, and its order competes with the search's
+    (``meta["hand_chain"]``: its start, makespan and whether it ran in a child). ``workers=1`` runs it
+    here after the search; the result is the same either way (``search.hand_chain_job``).
+
     ``solver="cpsat"`` then polishes the heuristic's best with the exact CP-SAT model for up to
     ``time_limit`` seconds (default 10; needs ``pip install mt_dualpipe[solver]``): ``meta`` gets
     its proven ``lower_bound``, ``optimal`` and ``gap``, which the heuristic alone also reports
     against the bound of ``bound.lower_bound``.
     """
     costs = Costs() if costs is None else costs
-    check_options(costs, seed, time_budget, iterations)
+    check_options(costs, seed, time_budget, iterations, workers)
     _check_solver(solver, time_limit)
     if solver == "cpsat":
         from .cpsat import load_cp_model
@@ -70,7 +77,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         load_cp_model()  # fail before searching when OR-Tools is missing
     layout = Layout.named(placement, num_ranks, num_microbatches)
     started = time.perf_counter()
-    search, info = heuristic(layout, costs, memory_limit, seed, time_budget, iterations)
+    search, info = heuristic(layout, costs, memory_limit, seed, time_budget, iterations, workers)
     bound = search.floor
     extra: dict = {}
     if solver == "cpsat":
@@ -84,7 +91,8 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         "makespan": best.makespan, "peak_activations": best.peak, "source": best.source,
         "baselines": info["baselines"], "lower_bound": min(bound, best.makespan), "optimal": optimal,
         "gap": 0.0 if optimal or not best.makespan else (best.makespan - bound) / best.makespan,
-        "solver": solver, "walks": info["walks"], "search_seconds": info["search_seconds"],
+        "solver": solver, "walks": info["walks"], "hand_chain": info["hand_chain"],
+        "search_seconds": info["search_seconds"],
         "seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": info["stopped_by_time_budget"],
         **extra,
     }

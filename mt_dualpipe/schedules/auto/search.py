@@ -17,10 +17,15 @@
    the next rank) that the exact schedules are often separated from ours by. Its orders keep
    backwards split and micro-batches in order (``local.renumber``), so its result is also a hint
    the exact backend's symmetry breaking accepts.
+8. **Hand chain** (large problems): one more annealing chain, from the best hand schedule, started
+   before phase 2 in a child process (``chains``) and weighed against the result at the end. From
+   a hand schedule annealing often goes further than from the phases' deeper local optimum (V,
+   P=8, M=24, all-to-all 1.0 of F: 193.4 against 195.1 mean), and sometimes not (0.5 of F:
+   174.6 against 174.0), so both run, side by side.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
 steps of local search and annealing by ``simulate.Replay``; the search is bounded by iteration
-counts and re-simulated ops, not the clock, so a seed gives one result.
+counts and re-simulated ops, not the clock, so a seed gives one result, wherever the hand chain ran.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..costs import Costs
+from ..costs import Costs, StageCosts
 from ..errors import ScheduleError
 from ..ir import ComputeItem, Schedule
 from ..ops import OpTable
 from ..registry import build_schedule
 from ..simulate import run_schedule
 from .bound import lower_bound
+from .chains import Chain, ChainJob, default_workers
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
 from .local import (
@@ -381,8 +387,39 @@ def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
     return starts
 
 
+ANNEAL_HAND_WORK = 3_900_000
+"""Walked ops of the chain from the best hand schedule (``hand_chain_job``), at most ``ANNEAL_MAX_STEPS``
+steps: it starts with the search and runs beside its phases (``chains``), so it gets their time as well
+(V, P=8, M=24: about 7.5 s alone, like the phases and their chain together)."""
+
+
+def hand_chain_job(search: Search, seed: int) -> ChainJob | None:
+    """The annealing chain from the best hand schedule that fits, on large problems; None where there is none.
+
+    Only without ``iterations`` (``anneal_plan`` gives one long chain) and when that hand schedule is not
+    already at the bound. Its seed comes from ``seed`` alone, so it does not depend on the phases.
+    """
+    lay = search.layout
+    if anneal_plan(lay, None)[0] != 1 or search.best is None or search.at_floor():
+        return None
+    moves = ANNEAL_MOVES if _pairing_saves(lay, search.costs) else ANNEAL_PLAIN_MOVES
+    return ChainJob(lay, search.costs, list(search.limits), [list(x) for x in search.best.ranks],
+                    random.Random(f"hand chain {seed}").getrandbits(32), ANNEAL_MAX_STEPS, ANNEAL_HAND_WORK,
+                    ANNEAL_HEAT, moves, search.floor,
+                    None if search.deadline is None else time.time() + (search.deadline - time.perf_counter()))
+
+
+def _finish_hand_chain(search: Search, chain: Chain | None, start: str) -> dict | None:
+    """Wait for the hand chain and keep its order if better; nothing to wait for once the search is at the bound."""
+    if chain is None or search.at_floor():
+        return None
+    ranks, makespan = chain.result()
+    search.consider(ranks, start + "+anneal")
+    return {"start": start, "makespan": makespan, "in_child": chain.in_child}
+
+
 def check_options(costs: object, seed: object, time_budget: object,
-                  iterations: object) -> None:
+                  iterations: object, workers: object = None) -> None:
     """``ScheduleError`` naming the first bad option and what is allowed."""
     if not isinstance(costs, Costs):
         raise ScheduleError(f"costs must be a mt_dualpipe.schedules.Costs, got {type(costs).__name__}")
@@ -393,13 +430,22 @@ def check_options(costs: object, seed: object, time_budget: object,
     if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int)
                                    or iterations < 0):
         raise ScheduleError(f"iterations must be a non-negative integer or None, got {iterations!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ScheduleError(f"workers must be a positive integer (processes the search may use) or None, "
+                            f"got {workers!r}")
 
 
 def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | None, seed: int,
-              time_budget: float | None, iterations: int | None) -> tuple[Search, dict]:
-    """Run the phases; the search (its best order) and the ``meta`` entries that describe it."""
+              time_budget: float | None, iterations: int | None,
+              workers: int | None = None) -> tuple[Search, dict]:
+    """Run the phases; the search (its best order) and the ``meta`` entries that describe it.
+
+    On large problems the chain from the best hand schedule (``hand_chain_job``) runs in a child
+    process beside the phases when ``workers`` (default ``chains.default_workers``) is 2 or more,
+    else here after them; the result is the same.
+    """
     started = time.perf_counter()
-    P, M = layout.P, layout.M
+    P = layout.P
     sc = costs.per_stage(layout.S)
     hands = hand_candidates(layout, costs)
     limit_value = default_limit(layout.name, P, hands) if memory_limit is None else memory_limit
@@ -415,6 +461,25 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
         baselines[h.name] = {"makespan": h.makespan, "peak_activations": max(h.peaks), "fits": fits}
         if fits:
             search.consider([list(ops) for ops in h.schedule.ranks], h.name)
+    job = hand_chain_job(search, seed) if iterations is None else None
+    in_child = (default_workers() if workers is None else workers) > 1
+    chain = None if job is None else Chain(job, in_child)
+    hand_start = search.best.source if chain is not None else ""
+    try:
+        _phases(search, layout, sc, seed, iterations, limit_value)
+        hand = _finish_hand_chain(search, chain, hand_start)
+    finally:
+        if chain is not None:
+            chain.cancel()
+    meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks, "hand_chain": hand,
+            "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
+    return search, meta
+
+
+def _phases(search: Search, layout: Layout, sc: StageCosts, seed: int, iterations: int | None,
+            limit_value: object) -> None:
+    """The list-scheduling grid, walks, local search, FB polish, caps and annealing, in that order."""
+    P, M, limits, costs = layout.P, layout.M, search.limits, search.costs
     table = OpTable(layout.placement, M, sc)
 
     def walk(pol: Policy, rng: random.Random | None = None, noise: float = 0.0) -> Ranks | None:
@@ -434,6 +499,3 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
     if iterations and (layout.C > 1 or _pairing_saves(layout, costs)):  # iterations=0: the grid only
         _caps_phase(search, walk, fb_top, thorough=given is None)
     _anneal_phase(search, given, rng)
-    meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks,
-            "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
-    return search, meta

@@ -1,0 +1,130 @@
+"""An annealing chain that runs in a child process while the search's phases run in this one.
+
+On large problems (``search.anneal_plan``) ``auto`` anneals twice: once from the best order of its
+phases and once from the best hand schedule. The second chain needs nothing the phases find, so it
+starts at once in a child process and the two share the wall time of one. Measured at P=8, M=24
+with exposed all-to-all 1.0 of F (docs/schedules.md): from DualPipeV the chain ends at 193.4 on
+average over eight seeds (best known 192), from the phases' best at 195.1: the phases' order sits
+in a deeper basin that annealing leaves less often; with 0.5 of F the phases' start wins. So both
+run and the better wins.
+
+Why a child Python of its own (running ``run_job_folder``) rather than
+``multiprocessing``: *spawn* and *forkserver* re-import the caller's ``__main__``, which recurses
+in a script without a main guard, and *fork* copies a process that may hold torch's threads. The
+job and the result travel through files in a temporary folder, so no pipe can fill up.
+
+The result does not depend on where the chain ran: a ``ChainJob`` is seeded and bounded by steps
+and walked ops, not the clock (unless it has a time budget). Without a second process (``workers=1``,
+a one-core machine, or a child that failed to start or finish) the chain runs here when its result
+is asked for, and gives the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..costs import Costs
+from ..ir import ComputeItem
+from .layout import Layout
+from .local import Move, anneal
+
+Ranks = list[list[ComputeItem]]
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ``mt_dualpipe``
+_CHILD = f"import sys; from {__name__} import run_job_folder; run_job_folder(sys.argv[1])"
+
+
+@dataclass(frozen=True)
+class ChainJob:
+    """Everything one seeded annealing chain needs (``local.anneal``'s arguments), picklable."""
+
+    layout: Layout
+    costs: Costs
+    limits: list[int]
+    ranks: Ranks
+    seed: int
+    steps: int
+    work: int | None
+    heat: float
+    moves: tuple[tuple[str, float, Move], ...]
+    floor: float
+    ends_at: float | None = None  # the caller's deadline on the wall clock (``time.time()``), if it has one
+
+    def run(self) -> tuple[Ranks, float]:
+        """The chain's best order and its makespan."""
+        deadline = None if self.ends_at is None else time.perf_counter() + (self.ends_at - time.time())
+        return anneal(self.layout, self.costs, self.limits, self.ranks, random.Random(self.seed), self.steps,
+                      deadline, self.moves, heat=self.heat, work=self.work, floor=self.floor)
+
+
+def default_workers() -> int:
+    """Processes the chains may use by default: two where the machine has two cores or more."""
+    return 2 if (os.cpu_count() or 1) > 1 else 1
+
+
+class Chain:
+    """A ``ChainJob`` started in a child process (``in_child``), or kept to run here when asked."""
+
+    def __init__(self, job: ChainJob, in_child: bool) -> None:
+        self.job = job
+        self.proc: subprocess.Popen | None = None
+        self.folder: tempfile.TemporaryDirectory | None = None
+        if in_child:
+            self._start()
+
+    @property
+    def in_child(self) -> bool:
+        """True while the job runs (or ran) in a child process."""
+        return self.proc is not None
+
+    def _start(self) -> None:
+        folder = tempfile.TemporaryDirectory(prefix="mt_dualpipe_chain_")
+        path = Path(folder.name)
+        (path / "job.pkl").write_bytes(pickle.dumps(self.job))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if x)
+        try:
+            with open(path / "stderr.txt", "wb") as err:
+                self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.DEVNULL, stderr=err, env=env)
+        except OSError:  # no process to be had: the job runs here when its result is asked for
+            folder.cleanup()
+            return
+        self.folder = folder
+
+    def result(self) -> tuple[Ranks, float]:
+        """The chain's best order and makespan: the child's, or this process's run of the same job."""
+        if self.proc is not None:
+            code = self.proc.wait()
+            out = Path(self.folder.name) / "result.pkl"
+            got = pickle.loads(out.read_bytes()) if code == 0 and out.exists() else None
+            self.cancel()
+            if got is not None:
+                return got
+        return self.job.run()  # not started, or the child failed: the same seeded chain, here
+
+    def cancel(self) -> None:
+        """Stop the child if it still runs and remove its files."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None
+
+
+def run_job_folder(folder: str) -> None:
+    """The child's side: run ``folder``/job.pkl, write its result to ``folder``/result.pkl."""
+    path = Path(folder)
+    job: ChainJob = pickle.loads((path / "job.pkl").read_bytes())
+    got = job.run()
+    tmp = path / "result.tmp"
+    tmp.write_bytes(pickle.dumps(got))
+    tmp.replace(path / "result.pkl")  # whole or absent
