@@ -40,9 +40,17 @@ def test_chain_in_a_child_gives_the_order_of_the_same_job_run_here():
 def test_a_child_that_fails_or_cannot_start_leaves_the_job_to_this_process(monkeypatch, executable):
     job = _job(steps=1500, seed=3)
     monkeypatch.setattr(sys, "executable", executable)
-    chain = Chain(job, in_child=True)
-    assert chain.in_child is (executable == "/bin/false")  # a missing interpreter: no child at all
-    assert chain.result() == job.run()
+    starts = executable == "/bin/false"  # a missing interpreter: no child at all
+    with pytest.warns(RuntimeWarning) as caught:
+        chain = Chain(job, in_child=True)
+        assert chain.in_child is starts
+        got = chain.result()
+    assert got == job.run()
+    (warning,) = caught
+    expected = ("the child process of an annealing chain failed (exit code 1)" if starts
+                else "could not start a child process for an annealing chain")
+    assert expected in str(warning.message)
+    assert "runs in this process" in str(warning.message)
 
 
 def test_cancel_stops_a_running_child_and_removes_its_files():

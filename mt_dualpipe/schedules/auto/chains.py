@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +92,16 @@ class Chain:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(x for x in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if x)
         try:
+            if not sys.executable:
+                raise OSError("sys.executable is empty: no interpreter to start")
             with open(path / "stderr.txt", "wb") as err:
                 self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=err, env=env)
-        except OSError:  # no process to be had: the job runs here when its result is asked for
+        except OSError as exc:  # no process to be had: the job runs here when its result is asked for
             folder.cleanup()
+            warnings.warn(f"auto: could not start a child process for an annealing chain ({exc}); it runs in this "
+                          "process after the search instead (same result, more time; workers=1 says so quietly)",
+                          RuntimeWarning, stacklevel=2)
             return
         self.folder = folder
 
@@ -103,8 +109,14 @@ class Chain:
         """The chain's best order and makespan: the child's, or this process's run of the same job."""
         if self.proc is not None:
             code = self.proc.wait()
-            out = Path(self.folder.name) / "result.pkl"
-            got = pickle.loads(out.read_bytes()) if code == 0 and out.exists() else None
+            path = Path(self.folder.name)
+            got = pickle.loads((path / "result.pkl").read_bytes()) if code == 0 and (path / "result.pkl").exists() \
+                else None
+            if got is None:
+                lines = (path / "stderr.txt").read_text(errors="replace").strip().splitlines()
+                warnings.warn(f"auto: the child process of an annealing chain failed (exit code {code}"
+                              f"{': ' + lines[-1] if lines else ''}); the chain runs in this process instead "
+                              "(same result, more time)", RuntimeWarning, stacklevel=2)
             self.cancel()
             if got is not None:
                 return got
