@@ -82,6 +82,16 @@ def test_large_problem_result_does_not_depend_on_workers(monkeypatch):
     assert here.meta["makespan"] <= hand["makespan"]  # the hand chain's order was a candidate
 
 
+def test_hand_chain_is_stopped_once_the_search_reaches_the_bound(monkeypatch):
+    monkeypatch.setattr(search_mod, "ANNEAL_MAX_STEPS", 20_000)
+    P, M = 4, 26  # dual with all-to-all = F: DualPipe 91, the search reaches the bound 88
+    limit = max(simulate(build_schedule("dualpipe", P, M), EXPOSED).peak_activations)
+    sched = build_schedule("auto", P, M, costs=EXPOSED, placement="dual", memory_limit=limit, workers=2)
+    assert sched.meta["optimal"] is True and sched.meta["makespan"] == sched.meta["lower_bound"] == 88.0
+    assert sched.meta["baselines"]["dualpipe"]["makespan"] == 91.0
+    assert sched.meta["hand_chain"] == {"start": "dualpipe", "makespan": None, "in_child": True}
+
+
 def test_small_problems_and_given_iterations_have_no_hand_chain():
     small = build_schedule("auto", 4, 8, costs=EXPOSED, placement="dual")
     assert small.meta["hand_chain"] is None

@@ -60,7 +60,8 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     On large problems (more than ``search.SMALL_PROBLEM_OPS`` ops, ``iterations`` not given) a second
     annealing chain starts from the best hand schedule at once, in a child process when ``workers``
     (default: 2 on a machine with two cores or more) allows, and its order competes with the search's
-    (``meta["hand_chain"]``: its start, makespan and whether it ran in a child). ``workers=1`` runs it
+    (``meta["hand_chain"]``: its start, its makespan, None when the search reached the lower bound
+    first and the chain was stopped, and whether it ran in a child). ``workers=1`` runs it
     here after the search; the result is the same either way (``search.hand_chain_job``).
 
     ``solver="cpsat"`` then polishes the heuristic's best with the exact CP-SAT model for up to

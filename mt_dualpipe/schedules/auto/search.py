@@ -410,12 +410,19 @@ def hand_chain_job(search: Search, seed: int) -> ChainJob | None:
 
 
 def _finish_hand_chain(search: Search, chain: Chain | None, start: str) -> dict | None:
-    """Wait for the hand chain and keep its order if better; nothing to wait for once the search is at the bound."""
-    if chain is None or search.at_floor():
+    """Wait for the hand chain and keep its order if better; what ``meta["hand_chain"]`` says of it.
+
+    Once the search's order is at the bound nothing can beat it: the chain is not waited for (its
+    ``makespan`` is None).
+    """
+    if chain is None:
         return None
-    ranks, makespan = chain.result()
+    info = {"start": start, "makespan": None, "in_child": chain.in_child}
+    if search.at_floor():
+        return info
+    ranks, info["makespan"] = chain.result()
     search.consider(ranks, start + "+anneal")
-    return {"start": start, "makespan": makespan, "in_child": chain.in_child}
+    return info
 
 
 def check_options(costs: object, seed: object, time_budget: object,
