@@ -10,6 +10,7 @@ the times. Pure Python (no torch); CP-SAT needs ``pip install mt_dualpipe[solver
 
     python benchmarks/auto_schedule.py --quick          # 5 s per CP-SAT solve, P=4 only
     python benchmarks/auto_schedule.py --cpsat-time 60  # the full grid
+    python benchmarks/auto_schedule.py --ranks 8 --cpsat-time 0 --chains 3   # P=8, three hand chains
 """
 
 from __future__ import annotations
@@ -61,12 +62,15 @@ def best_hand(placement: str, P: int, M: int, costs: Costs, limit: int) -> tuple
     return best
 
 
-def row(placement: str, P: int, M: int, label: str, costs: Costs, cpsat_time: float | None) -> list[str]:
+def row(placement: str, P: int, M: int, label: str, costs: Costs, cpsat_time: float | None,
+        search: dict | None = None) -> list[str]:
+    """One table row; ``search``: extra options of both ``auto`` builds (``chains``, ``workers``)."""
+    search = search or {}
     ref = simulate(build_schedule(REFERENCE[placement], P, M), costs)
     limit = max(ref.peak_activations)
     hand, hand_ms = best_hand(placement, P, M, costs, limit)
     t0 = time.perf_counter()
-    heur = build_schedule("auto", P, M, costs=costs, placement=placement, memory_limit=limit)
+    heur = build_schedule("auto", P, M, costs=costs, placement=placement, memory_limit=limit, **search)
     t_heur = time.perf_counter() - t0
     h_ms = simulate(heur, costs).makespan
     assert h_ms <= hand_ms + 1e-9 and h_ms == heur.meta["makespan"]
@@ -74,7 +78,7 @@ def row(placement: str, P: int, M: int, label: str, costs: Costs, cpsat_time: fl
     if cpsat_time:
         t0 = time.perf_counter()
         exact = build_schedule("auto", P, M, costs=costs, placement=placement, memory_limit=limit,
-                               solver="cpsat", time_limit=cpsat_time)
+                               solver="cpsat", time_limit=cpsat_time, **search)
         t_cp = time.perf_counter() - t0
         cp_ms = simulate(exact, costs).makespan  # re-checked by the simulator
         assert cp_ms <= h_ms + 1e-9 and max(simulate(exact, costs).peak_activations) <= limit
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", default=None, help="comma-separated profile names (default: all)")
     ap.add_argument("--cpsat-time", type=float, default=60.0, help="seconds per CP-SAT solve (0: skip CP-SAT)")
     ap.add_argument("--quick", action="store_true", help="P=4 only, 5 s per CP-SAT solve")
+    ap.add_argument("--chains", type=int, default=1, help="auto's annealing chains from the best hand schedule")
+    ap.add_argument("--workers", type=int, default=None, help="processes auto may use (default: one per chain + 1)")
     args = ap.parse_args(argv)
     ranks = [4] if args.quick else [int(x) for x in args.ranks.split(",")]
     cpsat_time = 5.0 if args.quick else args.cpsat_time
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, costs in profiles(S).items():
                 if args.profiles and label not in args.profiles.split(","):
                     continue
-                table.add_row(*row(placement, P, M, label, costs, cpsat_time))
+                table.add_row(*row(placement, P, M, label, costs, cpsat_time,
+                                   {"chains": args.chains, "workers": args.workers}))
     console = Console(width=max(Console().width, 160))
     console.print(table)
     console.print("heur gap / best gap: the heuristic's / the best schedule's makespan above the proven lower "

@@ -64,22 +64,43 @@ def test_cancel_stops_a_running_child_and_removes_its_files():
     assert not folder.exists()
 
 
-def test_large_problem_result_does_not_depend_on_workers(monkeypatch):
-    # a large problem (V, P=4, M=26: 624 ops > SMALL_PROBLEM_OPS) with short chains, so that the test stays quick
+def _large_v(monkeypatch) -> tuple[int, int, dict]:
+    """A large problem (V, P=4, M=26: 624 ops > SMALL_PROBLEM_OPS) with short chains, so that tests stay quick."""
     monkeypatch.setattr(search_mod, "ANNEAL_MAX_STEPS", 2000)
     monkeypatch.setattr(search_mod, "ANNEAL_HAND_WORK", 10**9)
     P, M, costs = 4, 26, Costs(1, 1, 1, a2a_f=0.5, a2a_b=0.5)
     limit = max(simulate(build_schedule("dualpipev", P, M), costs).peak_activations)
-    opts = dict(costs=costs, placement="v", memory_limit=limit, seed=5)
+    return P, M, dict(costs=costs, placement="v", memory_limit=limit, seed=5)
+
+
+def test_large_problem_result_does_not_depend_on_workers(monkeypatch):
+    P, M, opts = _large_v(monkeypatch)
     here = build_schedule("auto", P, M, workers=1, **opts)
     child = build_schedule("auto", P, M, workers=2, **opts)
     assert here.ranks == child.ranks
     assert here.meta["makespan"] == child.meta["makespan"]
-    assert here.meta["hand_chain"]["in_child"] is False and child.meta["hand_chain"]["in_child"] is True
-    hand = here.meta["hand_chain"]
+    (hand,), (hand_child,) = here.meta["hand_chains"], child.meta["hand_chains"]
+    assert hand["in_child"] is False and hand_child["in_child"] is True
+    assert hand["makespan"] == hand_child["makespan"]
     assert hand["start"] == "dualpipev"
     assert hand["makespan"] < here.meta["baselines"]["dualpipev"]["makespan"]
     assert here.meta["makespan"] <= hand["makespan"]  # the hand chain's order was a candidate
+
+
+def test_more_chains_run_side_by_side_and_give_the_same_result_on_any_workers(monkeypatch):
+    P, M, opts = _large_v(monkeypatch)
+    one = build_schedule("auto", P, M, chains=1, workers=1, **opts)
+    runs = {w: build_schedule("auto", P, M, chains=3, workers=w, **opts) for w in (1, 2, 4)}
+    first = runs[1]
+    for w, run in runs.items():
+        assert run.ranks == first.ranks, w
+        assert [h["makespan"] for h in run.meta["hand_chains"]] == [h["makespan"] for h in first.meta["hand_chains"]]
+    # workers=2: one child beside the search, then two at a time once it waits; workers=4: all three beside it
+    assert [h["in_child"] for h in runs[1].meta["hand_chains"]] == [False] * 3
+    assert [h["in_child"] for h in runs[2].meta["hand_chains"]] == [True] * 3
+    chains = first.meta["hand_chains"]
+    assert chains[0] == one.meta["hand_chains"][0]  # chain k's seed does not depend on how many chains run
+    assert first.meta["makespan"] <= min(h["makespan"] for h in chains) <= one.meta["hand_chains"][0]["makespan"]
 
 
 def test_hand_chain_is_stopped_once_the_search_reaches_the_bound(monkeypatch):
@@ -89,19 +110,25 @@ def test_hand_chain_is_stopped_once_the_search_reaches_the_bound(monkeypatch):
     sched = build_schedule("auto", P, M, costs=EXPOSED, placement="dual", memory_limit=limit, workers=2)
     assert sched.meta["optimal"] is True and sched.meta["makespan"] == sched.meta["lower_bound"] == 88.0
     assert sched.meta["baselines"]["dualpipe"]["makespan"] == 91.0
-    assert sched.meta["hand_chain"] == {"start": "dualpipe", "makespan": None, "in_child": True}
+    assert sched.meta["hand_chains"] == [{"start": "dualpipe", "makespan": None, "in_child": True}]
 
 
-def test_small_problems_and_given_iterations_have_no_hand_chain():
+def test_small_problems_given_iterations_and_no_chains_have_no_hand_chain(monkeypatch):
     small = build_schedule("auto", 4, 8, costs=EXPOSED, placement="dual")
-    assert small.meta["hand_chain"] is None
+    assert small.meta["hand_chains"] == []
     bounded = build_schedule("auto", 4, 26, costs=EXPOSED, placement="dual", iterations=2)
-    assert bounded.meta["hand_chain"] is None
+    assert bounded.meta["hand_chains"] == []
+    P, M, opts = _large_v(monkeypatch)
+    assert build_schedule("auto", P, M, chains=0, **opts).meta["hand_chains"] == []
 
 
-@pytest.mark.parametrize("workers", [0, -1, True, 1.5, "2"])
-def test_bad_workers(workers):
+@pytest.mark.parametrize("kwargs,message", [
+    *[(dict(workers=w), f"workers must be a positive integer (processes the search may use) or None, got {w!r}")
+      for w in (0, -1, True, 1.5, "2")],
+    *[(dict(chains=c), f"chains must be a non-negative integer (annealing chains from the best hand schedule), "
+       f"got {c!r}") for c in (-1, None, False, 2.0)],
+])
+def test_bad_chains_and_workers(kwargs, message):
     with pytest.raises(ScheduleError) as err:
-        build_schedule("auto", 4, 8, workers=workers)
-    message = f"workers must be a positive integer (processes the search may use) or None, got {workers!r}"
+        build_schedule("auto", 4, 8, **kwargs)
     assert message in str(err.value)

@@ -38,12 +38,12 @@ def _polish(search: Search, seed: int, time_limit: float, floor: float) -> dict:
 @register("auto", "cost-aware search (list scheduling + local search, optional CP-SAT) under a per-rank "
           "activation limit",
           "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual, "
-          "solver heuristic|cpsat, workers",
+          "solver heuristic|cpsat, chains, workers",
           placement="option")
 def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None,
                memory_limit: int | Sequence[int] | None = None, placement: str = "linear", seed: int = 0,
                time_budget: float | None = None, iterations: int | None = None, solver: str = "heuristic",
-               time_limit: float | None = None, workers: int | None = None) -> Schedule:
+               time_limit: float | None = None, chains: int = 1, workers: int | None = None) -> Schedule:
     """Search an op order for ``costs`` that fits ``memory_limit`` activations per rank.
 
     ``iterations`` bounds the search: that many randomised list-scheduling walks, then ten times
@@ -57,12 +57,15 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     exists — faster, but then the result depends on the machine's speed
     (``meta["stopped_by_time_budget"]`` says whether it did).
 
-    On large problems (more than ``search.SMALL_PROBLEM_OPS`` ops, ``iterations`` not given) a second
-    annealing chain starts from the best hand schedule at once, in a child process when ``workers``
-    (default: 2 on a machine with two cores or more) allows, and its order competes with the search's
-    (``meta["hand_chain"]``: its start, its makespan, None when the search reached the lower bound
-    first and the chain was stopped, and whether it ran in a child). ``workers=1`` runs it
-    here after the search; the result is the same either way (``search.hand_chain_job``).
+    On large problems (more than ``search.SMALL_PROBLEM_OPS`` ops, ``iterations`` not given)
+    ``chains`` more annealing chains (default 1, 0: none) start from the best hand schedule at once,
+    each with its own seed, in child processes beside the search as far as ``workers`` allows
+    (default: one per chain plus this one, at most the machine's cores; 1: all here, after the
+    search), and their orders compete with the search's. More chains find better orders (each
+    lands in a good basin or not) at no more wall time while there are cores for them. The result
+    depends on ``seed`` and ``chains``, never on ``workers`` (``search.hand_chain_jobs``).
+    ``meta["hand_chains"]`` gives each chain's start, makespan (None when the best order reached
+    the lower bound first and the chain was not waited for) and whether it ran in a child.
 
     ``solver="cpsat"`` then polishes the heuristic's best with the exact CP-SAT model for up to
     ``time_limit`` seconds (default 10; needs ``pip install mt_dualpipe[solver]``): ``meta`` gets
@@ -70,7 +73,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     against the bound of ``bound.lower_bound``.
     """
     costs = Costs() if costs is None else costs
-    check_options(costs, seed, time_budget, iterations, workers)
+    check_options(costs, seed, time_budget, iterations, chains, workers)
     _check_solver(solver, time_limit)
     if solver == "cpsat":
         from .cpsat import load_cp_model
@@ -78,7 +81,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         load_cp_model()  # fail before searching when OR-Tools is missing
     layout = Layout.named(placement, num_ranks, num_microbatches)
     started = time.perf_counter()
-    search, info = heuristic(layout, costs, memory_limit, seed, time_budget, iterations, workers)
+    search, info = heuristic(layout, costs, memory_limit, seed, time_budget, iterations, chains, workers)
     bound = search.floor
     extra: dict = {}
     if solver == "cpsat":
@@ -92,7 +95,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         "makespan": best.makespan, "peak_activations": best.peak, "source": best.source,
         "baselines": info["baselines"], "lower_bound": min(bound, best.makespan), "optimal": optimal,
         "gap": 0.0 if optimal or not best.makespan else (best.makespan - bound) / best.makespan,
-        "solver": solver, "walks": info["walks"], "hand_chain": info["hand_chain"],
+        "solver": solver, "walks": info["walks"], "hand_chains": info["hand_chains"],
         "search_seconds": info["search_seconds"],
         "seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": info["stopped_by_time_budget"],
         **extra,

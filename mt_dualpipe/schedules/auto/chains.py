@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +66,9 @@ class ChainJob:
                       deadline, self.moves, heat=self.heat, work=self.work, floor=self.floor)
 
 
-def default_workers() -> int:
-    """Processes the chains may use by default: two where the machine has two cores or more."""
-    return 2 if (os.cpu_count() or 1) > 1 else 1
+def default_workers(chains: int) -> int:
+    """Processes the search may use by default: one per chain and one for the search, at most the machine's cores."""
+    return max(1, min(os.cpu_count() or 1, chains + 1))
 
 
 class Chain:
@@ -140,3 +141,42 @@ def run_job_folder(folder: str) -> None:
     tmp = path / "result.tmp"
     tmp.write_bytes(pickle.dumps(got))
     tmp.replace(path / "result.pkl")  # whole or absent
+
+
+class Chains:
+    """Jobs run on up to ``workers`` processes, results read in job order.
+
+    While the caller still works (the search's phases), ``workers - 1`` children run the first
+    jobs; once it waits for results (``results``) it only waits, so up to ``workers`` children run
+    and each finished one makes room for the next job. With ``workers=1`` every job runs here, in
+    order, when its result is read. Either way job k gives the same result.
+    """
+
+    def __init__(self, jobs: list[ChainJob], workers: int) -> None:
+        self.jobs = jobs
+        self.workers = workers
+        self.started: list[Chain] = []
+        self._top_up(workers - 1)
+
+    def _top_up(self, limit: int) -> None:
+        running = sum(1 for c in self.started if c.proc is not None and c.proc.poll() is None)
+        while len(self.started) < len(self.jobs) and running < limit:
+            self.started.append(Chain(self.jobs[len(self.started)], in_child=True))
+            running += 1
+
+    def results(self, stop: Callable[[], bool]) -> Iterator[tuple[int, Ranks, float, bool]]:
+        """(job index, best order, makespan, whether it ran in a child), job by job until ``stop()`` says so."""
+        for k, job in enumerate(self.jobs):
+            if stop():
+                return
+            if self.workers > 1:
+                self._top_up(self.workers)
+            chain = self.started[k] if k < len(self.started) else Chain(job, in_child=False)
+            ranks, makespan = chain.result()
+            yield k, ranks, makespan, chain.in_child
+
+    def cancel(self) -> None:
+        """Stop every child still running and remove the files of all."""
+        for chain in self.started:
+            chain.cancel()
+

@@ -17,11 +17,11 @@
    the next rank) that the exact schedules are often separated from ours by. Its orders keep
    backwards split and micro-batches in order (``local.renumber``), so its result is also a hint
    the exact backend's symmetry breaking accepts.
-8. **Hand chain** (large problems): one more annealing chain, from the best hand schedule, started
-   before phase 2 in a child process (``chains``) and weighed against the result at the end. From
-   a hand schedule annealing often goes further than from the phases' deeper local optimum (V,
-   P=8, M=24, all-to-all 1.0 of F: 193.4 against 195.1 mean), and sometimes not (0.5 of F:
-   174.6 against 174.0), so both run, side by side.
+8. **Hand chains** (large problems): one more annealing chain (``chains`` of them), from the best
+   hand schedule, started before phase 2 in child processes (``chains``) and weighed against the
+   result at the end. From a hand schedule annealing often goes further than from the phases'
+   deeper local optimum (V, P=8, M=24, all-to-all 1.0 of F: 193.4 against 195.1 mean), and
+   sometimes not (0.5 of F: 174.6 against 174.0), so both run, side by side.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
 steps of local search and annealing by ``simulate.Replay``; the search is bounded by iteration
@@ -43,7 +43,7 @@ from ..ops import OpTable
 from ..registry import build_schedule
 from ..simulate import run_schedule
 from .bound import lower_bound
-from .chains import Chain, ChainJob, default_workers
+from .chains import ChainJob, Chains, default_workers
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
 from .local import (
@@ -388,45 +388,44 @@ def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
 
 
 ANNEAL_HAND_WORK = 3_900_000
-"""Walked ops of the chain from the best hand schedule (``hand_chain_job``), at most ``ANNEAL_MAX_STEPS``
+"""Walked ops of a chain from the best hand schedule (``hand_chain_jobs``), at most ``ANNEAL_MAX_STEPS``
 steps: it starts with the search and runs beside its phases (``chains``), so it gets their time as well
 (V, P=8, M=24: about 7.5 s alone, like the phases and their chain together)."""
 
 
-def hand_chain_job(search: Search, seed: int) -> ChainJob | None:
-    """The annealing chain from the best hand schedule that fits, on large problems; None where there is none.
+def hand_chain_jobs(search: Search, seed: int, chains: int) -> list[ChainJob]:
+    """``chains`` annealing chains from the best hand schedule that fits, on large problems; [] elsewhere.
 
     Only without ``iterations`` (``anneal_plan`` gives one long chain) and when that hand schedule is not
-    already at the bound. Its seed comes from ``seed`` alone, so it does not depend on the phases.
+    already at the bound. Chain k's seed comes from ``seed`` and k alone, so it does not depend on the
+    phases, nor on how many chains run.
     """
     lay = search.layout
     if anneal_plan(lay, None)[0] != 1 or search.best is None or search.at_floor():
-        return None
+        return []
     moves = ANNEAL_MOVES if _pairing_saves(lay, search.costs) else ANNEAL_PLAIN_MOVES
-    return ChainJob(lay, search.costs, list(search.limits), [list(x) for x in search.best.ranks],
-                    random.Random(f"hand chain {seed}").getrandbits(32), ANNEAL_MAX_STEPS, ANNEAL_HAND_WORK,
-                    ANNEAL_HEAT, moves, search.floor,
-                    None if search.deadline is None else time.time() + (search.deadline - time.perf_counter()))
+    ends_at = None if search.deadline is None else time.time() + (search.deadline - time.perf_counter())
+    return [ChainJob(lay, search.costs, list(search.limits), [list(x) for x in search.best.ranks],
+                     random.Random(f"hand chain {seed}" + (f" {k}" if k else "")).getrandbits(32), ANNEAL_MAX_STEPS,
+                     ANNEAL_HAND_WORK, ANNEAL_HEAT, moves, search.floor, ends_at) for k in range(chains)]
 
 
-def _finish_hand_chain(search: Search, chain: Chain | None, start: str) -> dict | None:
-    """Wait for the hand chain and keep its order if better; what ``meta["hand_chain"]`` says of it.
+def _finish_hand_chains(search: Search, runner: Chains, start: str) -> list[dict]:
+    """Read the hand chains in order, keeping each order that is better; what ``meta["hand_chains"]`` says.
 
-    Once the search's order is at the bound nothing can beat it: the chain is not waited for (its
+    Once the best order is at the bound nothing can beat it: the chains left are not waited for (their
     ``makespan`` is None).
     """
-    if chain is None:
-        return None
-    info = {"start": start, "makespan": None, "in_child": chain.in_child}
-    if search.at_floor():
-        return info
-    ranks, info["makespan"] = chain.result()
-    search.consider(ranks, start + "+anneal")
+    info = [{"start": start, "makespan": None, "in_child": k < len(runner.started) and runner.started[k].in_child}
+            for k in range(len(runner.jobs))]
+    for k, ranks, makespan, in_child in runner.results(search.at_floor):
+        info[k].update(makespan=makespan, in_child=in_child)
+        search.consider(ranks, start + "+anneal")
     return info
 
 
 def check_options(costs: object, seed: object, time_budget: object,
-                  iterations: object, workers: object = None) -> None:
+                  iterations: object, chains: object = 1, workers: object = None) -> None:
     """``ScheduleError`` naming the first bad option and what is allowed."""
     if not isinstance(costs, Costs):
         raise ScheduleError(f"costs must be a mt_dualpipe.schedules.Costs, got {type(costs).__name__}")
@@ -437,19 +436,22 @@ def check_options(costs: object, seed: object, time_budget: object,
     if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int)
                                    or iterations < 0):
         raise ScheduleError(f"iterations must be a non-negative integer or None, got {iterations!r}")
+    if isinstance(chains, bool) or not isinstance(chains, int) or chains < 0:
+        raise ScheduleError(f"chains must be a non-negative integer (annealing chains from the best hand schedule), "
+                            f"got {chains!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ScheduleError(f"workers must be a positive integer (processes the search may use) or None, "
                             f"got {workers!r}")
 
 
 def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | None, seed: int,
-              time_budget: float | None, iterations: int | None,
+              time_budget: float | None, iterations: int | None, chains: int = 1,
               workers: int | None = None) -> tuple[Search, dict]:
     """Run the phases; the search (its best order) and the ``meta`` entries that describe it.
 
-    On large problems the chain from the best hand schedule (``hand_chain_job``) runs in a child
-    process beside the phases when ``workers`` (default ``chains.default_workers``) is 2 or more,
-    else here after them; the result is the same.
+    On large problems ``chains`` annealing chains from the best hand schedule (``hand_chain_jobs``)
+    run in child processes beside the phases as far as ``workers`` (default
+    ``chains.default_workers``) allows, else here after them; the result is the same.
     """
     started = time.perf_counter()
     P = layout.P
@@ -468,17 +470,15 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
         baselines[h.name] = {"makespan": h.makespan, "peak_activations": max(h.peaks), "fits": fits}
         if fits:
             search.consider([list(ops) for ops in h.schedule.ranks], h.name)
-    job = hand_chain_job(search, seed) if iterations is None else None
-    in_child = (default_workers() if workers is None else workers) > 1
-    chain = None if job is None else Chain(job, in_child)
-    hand_start = search.best.source if chain is not None else ""
+    jobs = hand_chain_jobs(search, seed, chains) if iterations is None else []
+    hand_start = search.best.source if jobs else ""
+    runner = Chains(jobs, default_workers(len(jobs)) if workers is None else workers)
     try:
         _phases(search, layout, sc, seed, iterations, limit_value)
-        hand = _finish_hand_chain(search, chain, hand_start)
+        hand = _finish_hand_chains(search, runner, hand_start)
     finally:
-        if chain is not None:
-            chain.cancel()
-    meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks, "hand_chain": hand,
+        runner.cancel()
+    meta = {"memory_limit": limit_value, "baselines": baselines, "walks": search.walks, "hand_chains": hand,
             "search_seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": search.out_of_time}
     return search, meta
 
