@@ -20,7 +20,7 @@
 8. **Hand chains** (large problems): one more annealing chain (``chains`` of them), from the best
    hand schedule, started before phase 2 in child processes (``chains``) and weighed against the
    result at the end. From a hand schedule annealing often goes further than from the phases'
-   deeper local optimum (V, P=8, M=24, all-to-all 1.0 of F: 193.4 against 195.1 mean), and
+   deeper local optimum (V, P=8, M=24, all-to-all 1.0 of F: 193.9 against 195.1 mean), and
    sometimes not (0.5 of F: 174.6 against 174.0), so both run, side by side.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
