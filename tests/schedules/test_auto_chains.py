@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,11 +37,14 @@ def test_chain_in_a_child_gives_the_order_of_the_same_job_run_here():
     assert makespan < dualpipe  # the chain did something: 34 against DualPipe's 37 on this profile
 
 
-@pytest.mark.parametrize("executable", ["/bin/false", "/nonexistent/python"])
-def test_a_child_that_fails_or_cannot_start_leaves_the_job_to_this_process(monkeypatch, executable):
+@pytest.mark.parametrize("breakage", ["child fails", "no interpreter", "no temporary folder"])
+def test_a_child_that_fails_or_cannot_start_leaves_the_job_to_this_process(monkeypatch, breakage):
     job = _job(steps=1500, seed=3)
-    monkeypatch.setattr(sys, "executable", executable)
-    starts = executable == "/bin/false"  # a missing interpreter: no child at all
+    if breakage == "no temporary folder":
+        monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/tmp")
+    else:
+        monkeypatch.setattr(sys, "executable", "/bin/false" if breakage == "child fails" else "/nonexistent/python")
+    starts = breakage == "child fails"
     with pytest.warns(RuntimeWarning) as caught:
         chain = Chain(job, in_child=True)
         assert chain.in_child is starts

@@ -87,19 +87,21 @@ class Chain:
         return self.proc is not None
 
     def _start(self) -> None:
-        folder = tempfile.TemporaryDirectory(prefix="mt_dualpipe_chain_")
-        path = Path(folder.name)
-        (path / "job.pkl").write_bytes(pickle.dumps(self.job))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(x for x in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if x)
+        folder = None
         try:
             if not sys.executable:
                 raise OSError("sys.executable is empty: no interpreter to start")
+            folder = tempfile.TemporaryDirectory(prefix="mt_dualpipe_chain_")
+            path = Path(folder.name)
+            (path / "job.pkl").write_bytes(pickle.dumps(self.job))
             with open(path / "stderr.txt", "wb") as err:
                 self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=err, env=env)
-        except OSError as exc:  # no process to be had: the job runs here when its result is asked for
-            folder.cleanup()
+        except OSError as exc:  # no process (or no temporary folder) to be had: the job runs here when asked
+            if folder is not None:
+                folder.cleanup()
             warnings.warn(f"auto: could not start a child process for an annealing chain ({exc}); it runs in this "
                           "process after the search instead (same result, more time; workers=1 says so quietly)",
                           RuntimeWarning, stacklevel=2)
