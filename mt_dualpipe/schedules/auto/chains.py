@@ -1,8 +1,8 @@
-"""An annealing chain that runs in a child process while the search's phases run in this one.
+"""Annealing chains that run in child processes while the search's phases run in this one.
 
-On large problems (``search.anneal_plan``) ``auto`` anneals twice: once from the best order of its
-phases and once from the best hand schedule. The second chain needs nothing the phases find, so it
-starts at once in a child process and the two share the wall time of one. Measured at P=8, M=24
+On large problems (``search.anneal_plan``) ``auto`` anneals from the best order of its phases and,
+``chains`` times (default once), from the best hand schedule. Those chains need nothing the phases
+find, so they start at once in child processes and share the wall time of the search. Measured at P=8, M=24
 with exposed all-to-all 1.0 of F (docs/schedules.md): from DualPipeV a chain ends at 193.9 on
 average over 32 seeds (best known 191), from the phases' best at 195.1 over eight: the phases' order
 sits in a deeper basin that annealing leaves less often; with 0.5 of F the phases' start wins. So
