@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
 import tempfile
 import time
@@ -12,7 +14,7 @@ import pytest
 from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule, simulate
 from mt_dualpipe.schedules.auto import ANNEAL_MOVES, Layout
 from mt_dualpipe.schedules.auto import search as search_mod
-from mt_dualpipe.schedules.auto.chains import Chain, ChainJob
+from mt_dualpipe.schedules.auto.chains import Chain, ChainJob, run_job_folder
 
 EXPOSED = Costs(1, 1, 1, a2a_f=1.0, a2a_b=1.0)
 
@@ -65,6 +67,16 @@ def test_cancel_stops_a_running_child_and_removes_its_files():
     assert chain.proc.poll() is None  # still annealing
     chain.cancel()
     assert chain.proc.poll() is not None
+    assert not folder.exists()
+
+
+def test_an_orphaned_child_removes_its_folder(tmp_path):
+    folder = tmp_path / "chain"
+    folder.mkdir()
+    (folder / "job.pkl").write_bytes(pickle.dumps(_job(steps=200)))
+    run_job_folder(str(folder), parent=os.getppid())  # the parent that started it is still there
+    assert pickle.loads((folder / "result.pkl").read_bytes()) == _job(steps=200).run()
+    run_job_folder(str(folder), parent=-1)  # started by a process that is gone
     assert not folder.exists()
 
 

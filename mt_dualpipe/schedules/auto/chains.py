@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from .local import Move, anneal
 
 Ranks = list[list[ComputeItem]]
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ``mt_dualpipe``
-_CHILD = f"import sys; from {__name__} import run_job_folder; run_job_folder(sys.argv[1])"
+_CHILD = f"import sys; from {__name__} import run_job_folder; run_job_folder(sys.argv[1], int(sys.argv[2]))"
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class Chain:
             path = Path(folder.name)
             (path / "job.pkl").write_bytes(pickle.dumps(self.job))
             with open(path / "stderr.txt", "wb") as err:
-                self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdin=subprocess.DEVNULL,
+                self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(os.getpid())],
+                                             stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=err, env=env)
         except OSError as exc:  # no process (or no temporary folder) to be had: the job runs here when asked
             if folder is not None:
@@ -135,11 +137,18 @@ class Chain:
             self.folder = None
 
 
-def run_job_folder(folder: str) -> None:
-    """The child's side: run ``folder``/job.pkl, write its result to ``folder``/result.pkl."""
+def run_job_folder(folder: str, parent: int | None = None) -> None:
+    """The child's side: run ``folder``/job.pkl, write its result to ``folder``/result.pkl.
+
+    If the ``parent`` process is gone by then (killed before it could read the result and clean
+    up), the child removes the folder itself, so nothing is left behind in the temporary folder.
+    """
     path = Path(folder)
     job: ChainJob = pickle.loads((path / "job.pkl").read_bytes())
     got = job.run()
+    if parent is not None and os.getppid() != parent:
+        shutil.rmtree(path, ignore_errors=True)
+        return
     tmp = path / "result.tmp"
     tmp.write_bytes(pickle.dumps(got))
     tmp.replace(path / "result.pkl")  # whole or absent
