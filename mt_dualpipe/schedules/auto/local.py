@@ -436,8 +436,12 @@ ANNEAL_COOL = 0.01
 """The end temperature of a chain as a fraction of its start temperature."""
 
 
+ANNEAL_END_WEIGHT = 0.1
+"""Weight of the mean rank end time in an annealing step's score (after the makespan)."""
+
+
 def _anneal_score(run: Replay, P: int) -> float:
-    return run.makespan + 0.1 * sum(run.rank_end) / P
+    return run.makespan + ANNEAL_END_WEIGHT * sum(run.rank_end) / P
 
 
 def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
@@ -489,7 +493,8 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         if lo > hi or waits_on_later(table, r, cand[r], lo, hi):  # lo > hi: only equals exchanged
             continue
         u = rng.random()  # accept a loss up to temp * ln(1/u): exp(-loss / temp) > u
-        res = _try(base, cand, r, lo, Cutoff(limits, cur - temp * math.log(u) if u > 0 else math.inf, 0.1 / P))
+        res = _try(base, cand, r, lo, Cutoff(limits, cur - temp * math.log(u) if u > 0 else math.inf,
+                                                 ANNEAL_END_WEIGHT / P))
         if res is None:
             continue
         spent += res.walked
