@@ -14,7 +14,7 @@ import pytest
 from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule, simulate
 from mt_dualpipe.schedules.auto import ANNEAL_MOVES, Layout
 from mt_dualpipe.schedules.auto import search as search_mod
-from mt_dualpipe.schedules.auto.chains import Chain, ChainJob, run_job_folder
+from mt_dualpipe.schedules.auto.chains import Chain, ChainJob, default_workers, run_job_folder
 
 EXPOSED = Costs(1, 1, 1, a2a_f=1.0, a2a_b=1.0)
 
@@ -127,6 +127,13 @@ def test_hand_chain_is_stopped_once_the_search_reaches_the_bound(monkeypatch):
     assert sched.meta["optimal"] is True and sched.meta["makespan"] == sched.meta["lower_bound"] == 88.0
     assert sched.meta["baselines"]["dualpipe"]["makespan"] == 91.0
     assert sched.meta["hand_chains"] == [{"start": "dualpipe", "makespan": None, "in_child": True}]
+
+
+def test_default_workers_follow_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert [default_workers(k) for k in (0, 1, 2, 5)] == [1, 2, 3, 3]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert default_workers(3) == 1
 
 
 def test_small_problems_given_iterations_and_no_chains_have_no_hand_chain(monkeypatch):

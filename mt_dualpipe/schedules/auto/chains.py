@@ -68,8 +68,10 @@ class ChainJob:
 
 
 def default_workers(chains: int) -> int:
-    """Processes the search may use by default: one per chain and one for the search, at most the machine's cores."""
-    return max(1, min(os.cpu_count() or 1, chains + 1))
+    """Processes the search may use by default: one per chain and one for the search, at most the cores this
+    process may run on (its CPU affinity where the platform has one, e.g. under ``taskset`` or a job scheduler)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, chains + 1))
 
 
 class Chain:
