@@ -117,8 +117,8 @@ class Chain:
         if self.proc is not None:
             code = self.proc.wait()
             path = Path(self.folder.name)
-            got = pickle.loads((path / "result.pkl").read_bytes()) if code == 0 and (path / "result.pkl").exists() \
-                else None
+            out = path / "result.pkl"
+            got = pickle.loads(out.read_bytes()) if code == 0 and out.exists() else None
             if got is None:
                 lines = (path / "stderr.txt").read_text(errors="replace").strip().splitlines()
                 warnings.warn(f"auto: the child process of an annealing chain failed (exit code {code}"

@@ -51,6 +51,7 @@ from .local import (
     ANNEAL_MOVES,
     ANNEAL_PLAIN_MOVES,
     FB_MOVES,
+    Move,
     anneal,
     in_microbatch_order,
     local_search,
@@ -262,6 +263,11 @@ def _pairing_saves(layout: Layout, costs: Costs) -> bool:
     return any(len(x) > 1 for x in layout.local) and (sc.fb is not None or any(sc.a2a_f) or any(sc.a2a_b))
 
 
+def _anneal_moves(layout: Layout, costs: Costs) -> tuple[tuple[str, float, Move], ...]:
+    """The annealing moves for this problem: with the FB moves only where FB units can pay."""
+    return ANNEAL_MOVES if _pairing_saves(layout, costs) else ANNEAL_PLAIN_MOVES
+
+
 def _fb_phase(search: Search, iterations: int, rng: random.Random,
               walk: Callable[..., Ranks | None]) -> list[Policy]:
     """Polish FB units: every BW split into B then W (never worse), then local search with ``FB_MOVES``.
@@ -366,7 +372,7 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     chains, steps, work = anneal_plan(search.layout, iterations)
     if search.expired() or not steps:
         return
-    moves = ANNEAL_MOVES if _pairing_saves(search.layout, search.costs) else ANNEAL_PLAIN_MOVES
+    moves = _anneal_moves(search.layout, search.costs)
     for k, cand in enumerate(_anneal_starts(search, chains)):  # anneal splits each start's backwards itself
         ranks, makespan = anneal(search.layout, search.costs, search.limits, cand.ranks,
                                  random.Random(rng.getrandbits(32)), steps, search.deadline, moves,
@@ -403,7 +409,7 @@ def hand_chain_jobs(search: Search, seed: int, chains: int) -> list[ChainJob]:
     lay = search.layout
     if anneal_plan(lay, None)[0] != 1 or search.best is None or search.at_floor():
         return []
-    moves = ANNEAL_MOVES if _pairing_saves(lay, search.costs) else ANNEAL_PLAIN_MOVES
+    moves = _anneal_moves(lay, search.costs)
     ends_at = None if search.deadline is None else time.time() + (search.deadline - time.perf_counter())
     return [ChainJob(lay, search.costs, list(search.limits), [list(x) for x in search.best.ranks],
                      random.Random(f"hand chain {seed}" + (f" {k}" if k else "")).getrandbits(32), ANNEAL_MAX_STEPS,
