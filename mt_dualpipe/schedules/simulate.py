@@ -124,6 +124,10 @@ class _Walk:
             old, rank = resume
             self.templates, self.rank_ops, self.end_of = old.templates, list(old.rank_ops), list(old.end_of)
             self.rank_ops[rank] = _compute_items(schedule.ranks[rank])
+        self.old_end = None if resume is None else resume[0].end_of  # what each signal's time was before
+        self.moved: list[int] = []  # signals this walk made at another time than ``old_end`` says
+        self.rejoin: _Rejoin | None = None  # set by ``Replay.changed``
+        self.works: list[float] | None = None  # per rank, the compute time of all its items (``work``)
         self.waiters: dict[int, list[int]] = {}  # signal key -> parked ranks
         self.blocked_on: dict[int, tuple[int, int]] = {}  # rank -> (signal key, producing rank) of its last park
         self.state = [[0, 0.0, 0, 0, 0.0] for _ in range(P)]  # position, clock, live, peak, busy
@@ -140,16 +144,22 @@ class _Walk:
         self.ctx = (self.templates, self.end_of, self.waiters, self.stack, self.S,
                     self.events if record else None, self.blocked_on, self.posts, trace)
 
-    def work(self, r: int) -> float:
-        """The compute time of rank ``r``'s items (what its busy time ends at)."""
+    def work(self, items: Sequence) -> float:
+        """The compute time of ``items`` (of a rank's: what its busy time ends at)."""
         templates, S, total = self.templates, self.S, 0.0
-        for item in self.rank_ops[r]:
+        for item in items:
             if type(item) is FB:
                 f, b = item
                 total += self.fb_cost(f[2], b[0], b[2])
             else:
                 total += templates[item[0]][item[1] * S + item[2]][2]
         return total
+
+    def rank_works(self) -> list[float]:
+        """Per rank, the compute time of all its items (computed once per walk)."""
+        if self.works is None:
+            self.works = [self.work(ops) for ops in self.rank_ops]
+        return self.works
 
     def column(self, k: int) -> list:
         """One per-rank counter (1 clock, 2 live, 3 peak, 4 busy) as a list over ranks."""
@@ -184,6 +194,11 @@ class _Walk:
         (max of these + weight * their sum) after any resume is a lower bound of the finished walk's
         makespan + weight * sum of rank ends. A peak only grows, so ``advance`` stops at the first
         op over ``cutoff.peaks``.
+
+        A replay (``rejoin`` set) also stops once it is back where the old walk was, and takes the
+        old walk's rest (``_Rejoin``); and once the changed rank is past its changed items, every
+        rank's end is at least its old end minus ``_Rejoin.floors``' bound, a tighter bound than the
+        clock while a rank has idle gaps ahead.
         """
         stack, state, weight, ceiling = self.stack, self.state, cutoff.weight, cutoff.score + 1e-9
         self.caps = cutoff.peaks
@@ -192,13 +207,35 @@ class _Walk:
             return True
         ends = [st[1] + w - st[4] for st, w in zip(state, work)]
         total, latest = sum(ends), max(ends)
+        rejoin, floor = self.rejoin, None
+        if rejoin is not None:
+            matches, changed, span_end = rejoin.matches, rejoin.rank, rejoin.hi
+            astray = {changed}  # ranks not where the old walk was
         while stack:
             r = stack.pop()
             self.advance(r)
             if self.over:
                 return True
+            if rejoin is not None:
+                if matches(r):
+                    astray.discard(r)
+                else:
+                    astray.add(r)
+                if not astray and rejoin.settled():
+                    rejoin.fill()
+                    ends = self.column(1)
+                    self.over = (max(ends) + weight * sum(ends) > ceiling
+                                 or any(st[3] > cap for st, cap in zip(state, self.caps)))
+                    return self.over
+                if floor is None and r == changed and state[r][0] > span_end:
+                    floor = rejoin.floors()
+                    if floor:
+                        ends = [e if e > f else f for e, f in zip(ends, floor)]
+                        total, latest = sum(ends), max(ends)
             st = state[r]
             end = st[1] + work[r] - st[4]
+            if floor and end < floor[r]:
+                end = floor[r]
             total += end - ends[r]
             ends[r] = end
             if end > latest:
@@ -236,6 +273,7 @@ class _Walk:
         """
         templates, end_of, waiters, stack, S, events, blocked_on, posts, trace = self.ctx
         ops, st, caps = self.rank_ops[r], self.state[r], self.caps
+        old_end, moved = self.old_end, self.moved
         i, t_now, live, peak, busy = st
         nops = len(ops)
         while i < nops:
@@ -277,6 +315,8 @@ class _Walk:
                 for key in (made, made2):
                     if key >= 0:
                         end_of[key] = t_now
+                        if old_end is not None and old_end[key] != t_now:
+                            moved.append(key)
                         w = waiters.pop(key, None)
                         if w:
                             stack.extend(w)
@@ -320,6 +360,8 @@ class _Walk:
             if made >= 0:
                 made += off
                 end_of[made] = t_now
+                if old_end is not None and old_end[made] != t_now:
+                    moved.append(made)
                 w = waiters.pop(made, None)
                 if w:
                     stack.extend(w)
@@ -354,12 +396,14 @@ class Replay:
     that index starts can depend on it (its inputs ended before it started, so they started
     earlier still, and the rank's earlier ops are the same), so every op of every rank that
     started before that moment keeps its times, memory and signals: ``changed`` restores that
-    state from the kept trace and walks only the rest — on average about half of the ops. The
-    result is the same as ``run_schedule`` on the changed order (tested op for op).
-    Orders with ``REDUCE_GRAD`` are not replayed (their reductions run after the walk).
+    state from the kept trace and walks the rest until it is back on the old walk (``_Rejoin``),
+    whose rest it then takes as it was. The result is the same as ``run_schedule`` on the changed
+    order (tested op for op). Orders with ``REDUCE_GRAD`` are not replayed (their reductions run
+    after the walk).
     """
 
-    def __init__(self, schedule: Schedule, costs: Costs, _walk: _Walk | None = None, _kept: int = 0) -> None:
+    def __init__(self, schedule: Schedule, costs: Costs, _walk: _Walk | None = None, _kept: int = 0,
+                 _taken: int = 0) -> None:
         self.schedule = schedule
         self.costs = costs
         if _walk is None:
@@ -370,17 +414,20 @@ class Replay:
             raise ScheduleError("Replay simulates compute ops only; this order has REDUCE_GRAD ops")
         self._walk = _walk
         self.over = _walk.over  # stopped early by a Cutoff
-        self.walked = sum(st[0] for st in _walk.state) - _kept  # items this replay walked
+        self.walked = sum(st[0] for st in _walk.state) - _kept - _taken  # items this replay walked
+        self.rejoined = _taken  # items it took from the replay it was made from, past where it rejoined it
         self.rank_end = _walk.column(1)
         self.peak_activations = _walk.column(3)
         self.makespan = max(self.rank_end) if self.rank_end else 0.0
 
-    def changed(self, ranks: list[list], rank: int, index: int, cutoff: Cutoff | None = None) -> Replay:
+    def changed(self, ranks: list[list], rank: int, index: int, cutoff: Cutoff | None = None,
+                end: int | None = None) -> Replay:
         """The replay of ``ranks``: this order with ``rank``'s items from ``index`` on changed (same ops).
 
-        Raises ``ScheduleError`` on deadlock, like ``run_schedule``. With ``cutoff`` the walk stops
-        once the order is ruled out: the result then has ``over`` set and only ``walked`` is
-        meaningful.
+        ``end``: the last changed index of ``ranks[rank]`` if the caller knows it (the items after it
+        are the old ones, the same objects); else it is found by comparing. Raises ``ScheduleError``
+        on deadlock, like ``run_schedule``. With ``cutoff`` the walk stops once the order is ruled
+        out: the result then has ``over`` set and only ``walked`` is meaningful.
         """
         if self.over:
             raise ScheduleError("this replay was stopped by its Cutoff (it holds only part of a walk); "
@@ -401,13 +448,153 @@ class Replay:
             if k:
                 walk.state[r][:] = k, *trace[r][k - 1][1:5]
                 walk.first[r] = trace[r][0][0]
-        if cutoff is not None:
-            work = old.column(4)  # a rank's ops are the same, their costs only change with the pairing
-            work[rank] = walk.work(rank)
-            walk.run(cutoff, work)
+        new_items, old_items = walk.rank_ops[rank], old.rank_ops[rank]
+        shift = len(old_items) - len(new_items)
+        if end is None:
+            end = len(new_items) - 1
+            while end >= index and end + shift >= index and new_items[end] is old_items[end + shift]:
+                end -= 1
+        walk.rejoin = _Rejoin(old, walk, rank, index, end)
+        walk.stack.remove(rank)
+        walk.stack.append(rank)  # the changed rank first: the others may be back on the old walk sooner
+        works = walk.works = list(old.rank_works())  # only the changed items' costs change (with their pairing)
+        works[rank] += walk.work(new_items[index:end + 1]) - old.work(old_items[index:end + shift + 1])
+        try:
+            walk.run(cutoff or Cutoff([math.inf] * len(ranks)), works)
+        finally:
+            taken, walk.rejoin, walk.old_end = walk.rejoin.taken, None, None  # keep no chain of walks alive
+        return Replay(sched, self.costs, walk, sum(keep), taken)
+
+    def times(self, rank: int) -> list[tuple[float, float]]:
+        """(start, end) of each of ``rank``'s items, in order (what ``run_schedule``'s ``starts_out``/``ends_out`` hold)."""
+        if self.over:
+            raise ScheduleError("this replay was stopped by its Cutoff (it holds only part of a walk)")
+        return [(e[0], e[1]) for e in self._walk.trace[rank]]
+
+
+class _Rejoin:
+    """Where a replay is back on the old walk, so that it may take the old walk's rest instead of walking it.
+
+    The rest of a walk is a function of its state alone: each rank's position, clock and memory
+    counters, and the time of every signal made so far. Once every rank is where the old walk was
+    at the same position (the changed rank past its changed items; a peak may be higher), and every
+    signal made at another time than before has been waited for by all its consumers on other
+    ranks, the rest is the old walk's rest: ``fill`` copies it. (A consumer on the producer's own
+    rank runs after it, so the rank's clock already bounds it.) Exact, so results are unchanged;
+    what changes is how much is walked: after an accepted annealing move about a quarter of what
+    the walk from the change would.
+
+    ``floors`` bounds every rank's end from below once the changed rank is past its changed items:
+    only the changed rank's order differs, so an op can start earlier than before by at most the
+    most any changed op (or the clock after them) ended earlier; every rank ends no earlier than its
+    old end minus that.
+    """
+
+    def __init__(self, old: _Walk, walk: _Walk, rank: int, lo: int, hi: int) -> None:
+        self.old, self.walk, self.rank, self.lo, self.hi = old, walk, rank, lo, hi
+        self.shift = len(old.rank_ops[rank]) - len(walk.rank_ops[rank])  # old index - new index after the change
+        self.consumers = _cross_consumers(walk)
+        self.taken = 0  # items copied from the old walk
+        self.view = (walk.state, old.trace, rank, hi, self.shift)  # what ``matches`` reads, bound once
+
+    def matches(self, q: int) -> bool:
+        """True if rank ``q`` is where the old walk was at the same point of its order."""
+        state, old_trace, rank, hi, shift = self.view
+        st = state[q]
+        p = st[0]
+        if q == rank:
+            if p <= hi:
+                return False
+            j = p - 1 + shift
         else:
-            walk.run()
-        return Replay(sched, self.costs, walk, sum(keep))
+            j = p - 1
+            if j < 0:
+                return True
+        e = old_trace[q][j]
+        return e[1] == st[1] and e[2] == st[2] and st[3] >= e[3]
+
+    def settled(self) -> bool:
+        """True if every signal made at a new time has been waited for by all its consumers on other ranks."""
+        walk = self.walk
+        consumers, end_of = self.consumers, walk.end_of
+        if consumers is None:
+            return False
+        walk.moved = [k for k in walk.moved if any(end_of[c] < 0 for c in consumers[k])]
+        return not walk.moved
+
+    def fill(self) -> None:
+        """Take the old walk's rest: every rank's remaining items with their old times and signals."""
+        walk, old_trace = self.walk, self.old.trace
+        end_of = walk.end_of
+        for q, st in enumerate(walk.state):
+            p = st[0]
+            j = p + (self.shift if q == self.rank else 0)
+            tail = old_trace[q][j:]
+            if not tail:
+                continue
+            for e in tail:
+                end_of[e[5]] = end_of[e[6]] = e[1]  # a negative key is a spare slot
+            if q == self.rank:  # busy differs by the changed items' cost, the peak may be higher
+                extra, top = st[4] - old_trace[q][j - 1][4], st[3]
+                tail = [(a, b, n, k if k > top else top, u + extra, m1, m2) for a, b, n, k, u, m1, m2 in tail]
+            walk.trace[q].extend(tail)
+            self.taken += len(tail)
+            last = tail[-1]
+            st[:] = p + len(tail), *last[1:5]
+            if walk.first[q] is None:
+                walk.first[q] = old_trace[q][0][0]
+
+    def floors(self) -> list[float] | None:
+        """Per rank, a lower bound of its end (see the class); None if an op changed its kind (BW split)."""
+        rank, lo, hi, shift = self.rank, self.lo, self.hi, self.shift
+        told, tnew = self.old.trace[rank], self.walk.trace[rank]
+        was: dict = {}
+        for item, e in zip(self.old.rank_ops[rank][lo:hi + shift + 1], told[lo:hi + shift + 1]):
+            for op in (item if type(item) is FB else (item,)):
+                was[op] = e[1]
+        earlier = told[hi + shift][1] - tnew[hi][1] if hi + shift >= 0 else 0.0
+        for item, e in zip(self.walk.rank_ops[rank][lo:hi + 1], tnew[lo:hi + 1]):
+            for op in (item if type(item) is FB else (item,)):
+                d = was.get(op)
+                if d is None:
+                    return None
+                if d - e[1] > earlier:
+                    earlier = d - e[1]
+        earlier = max(earlier, 0.0)
+        return [st[1] - earlier for st in self.old.state]
+
+
+_CONSUMERS: OrderedDict[int, tuple[dict, list[tuple[int, ...]] | None]] = OrderedDict()
+
+
+def _cross_consumers(walk: _Walk) -> list[tuple[int, ...]] | None:
+    """Per signal key, the keys made by the ops of other ranks that wait for it (one list per op table).
+
+    ``_Rejoin`` needs to know when a signal made at a new time has been read by everyone it
+    matters to; every op that waits for another rank's signal makes one itself (F and B do), so
+    "it ran" is "its signal is made".
+    """
+    templates = walk.templates
+    got = _CONSUMERS.get(id(templates))
+    if got is not None and got[0] is templates:
+        _CONSUMERS.move_to_end(id(templates))
+        return got[1]
+    cons: list[list[int]] = [[] for _ in walk.end_of]
+    for r, ops in enumerate(walk.rank_ops):
+        for item in ops:
+            for kind, c, s, m in (item if type(item) is FB else (item,)):
+                waits, made = templates[kind][c * walk.S + s][:2]
+                for key, _, owner in waits:
+                    if owner != r:
+                        if made < 0:  # no way to tell when it ran: no replay of this table rejoins
+                            _CONSUMERS[id(templates)] = (templates, None)
+                            return None
+                        cons[key + m + m].append(made + m + m)
+    out = [tuple(x) for x in cons]
+    _CONSUMERS[id(templates)] = (templates, out)
+    if len(_CONSUMERS) > _TABLES_MAX:
+        _CONSUMERS.popitem(last=False)
+    return out
 
 
 _TABLES: OrderedDict[tuple, dict] = OrderedDict()

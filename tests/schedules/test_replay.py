@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule
-from mt_dualpipe.schedules.auto.local import split_backward
+from mt_dualpipe.schedules.auto.local import _changed_span, split_backward
 from mt_dualpipe.schedules.data_parallel import add_grad_reduction
 from mt_dualpipe.schedules.ir import Schedule
 from mt_dualpipe.schedules.simulate import Cutoff, Replay, run_schedule
@@ -38,8 +38,8 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
 
     base = Replay(order(ranks), costs)
     total = sum(len(ops) for ops in ranks)
-    assert base.walked == total  # a fresh replay walks every op
-    compared = deadlocks = 0
+    assert base.walked == total and base.rejoined == 0  # a fresh replay walks every op
+    compared = deadlocks = rejoined = 0
     while compared < 300:
         r, cand = random_move(ranks, rng)
         compared += 1
@@ -54,11 +54,20 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
         assert got.makespan == pytest.approx(ref.makespan, abs=1e-12)
         assert got.rank_end == pytest.approx(ref.rank_end, abs=1e-12)
         assert got.peak_activations == ref.peak_activations
-        assert 0 < got.walked <= sum(len(ops) for ops in cand)  # only what the move can change is walked again
+        starts, ends = [[] for _ in cand], [[] for _ in cand]
+        run_schedule(order(cand), costs, record=False, starts_out=starts, ends_out=ends)
+        for q in range(P):  # op for op, the items taken from the old walk included
+            assert got.times(q) == pytest.approx(list(zip(starts[q], ends[q])), abs=1e-12)
+        # only what the move can change is walked again, and some of it is taken as it was
+        assert 0 < got.walked and got.walked + got.rejoined <= sum(len(ops) for ops in cand)
+        rejoined += got.rejoined > 0
+        lo, hi = _changed_span(ranks[r], cand[r])  # what annealing passes: the changed span's end too
+        assert base.changed(cand, r, lo, None, hi).times(r) == got.times(r)
         _check_cutoff(base, cand, r, ref, rng)
         if rng.random() < 0.5:  # walk on, so later replays start from replayed orders
             ranks, base = cand, got
     assert deadlocks  # the moves do produce deadlocks, and those are reported as such
+    assert rejoined > 30  # many replays are back on the old walk before its end
 
 
 def _check_cutoff(base: Replay, cand: list, r: int, ref, rng: random.Random) -> None:

@@ -67,7 +67,7 @@ Ranks = list[list[ComputeItem]]
 SMALL_PROBLEM_OPS = 600
 """When ``iterations`` is not given, orders of up to this many ops (``op_count``) anneal as
 ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS``; larger ones as one chain bounded by ``ANNEAL_WORK``."""
-ANNEAL_WORK = 3_000_000
+ANNEAL_WORK = 3_200_000
 """Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
 what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
 M=24 about 18 ops per step on the dual placement, 64 on the V, 1-2 us each), so a budget of walked
@@ -393,7 +393,7 @@ def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
     return starts
 
 
-ANNEAL_HAND_WORK = 3_900_000
+ANNEAL_HAND_WORK = 4_000_000
 """Walked ops of a chain from the best hand schedule (``hand_chain_jobs``), at most ``ANNEAL_MAX_STEPS``
 steps: it starts with the search and runs beside its phases (``chains``), so it gets their time as well
 (V, P=8, M=24: about 7.5 s alone, like the phases and their chain together)."""
