@@ -466,7 +466,7 @@ class Replay:
         return Replay(sched, self.costs, walk, sum(keep), taken)
 
     def times(self, rank: int) -> list[tuple[float, float]]:
-        """(start, end) of each of ``rank``'s items, in order (what ``run_schedule``'s ``starts_out``/``ends_out`` hold)."""
+        """(start, end) of each of ``rank``'s items in order: ``run_schedule``'s ``starts_out``/``ends_out``."""
         if self.over:
             raise ScheduleError("this replay was stopped by its Cutoff (it holds only part of a walk)")
         return [(e[0], e[1]) for e in self._walk.trace[rank]]
@@ -508,8 +508,8 @@ class _Rejoin:
             j = p - 1 + shift
         else:
             j = p - 1
-            if j < 0:
-                return True
+        if j < 0:  # nothing run yet: where every walk starts
+            return True
         e = old_trace[q][j]
         return e[1] == st[1] and e[2] == st[2] and st[3] >= e[3]
 
@@ -535,7 +535,7 @@ class _Rejoin:
             for e in tail:
                 end_of[e[5]] = end_of[e[6]] = e[1]  # a negative key is a spare slot
             if q == self.rank:  # busy differs by the changed items' cost, the peak may be higher
-                extra, top = st[4] - old_trace[q][j - 1][4], st[3]
+                extra, top = st[4] - (old_trace[q][j - 1][4] if j else 0.0), st[3]
                 tail = [(a, b, n, k if k > top else top, u + extra, m1, m2) for a, b, n, k, u, m1, m2 in tail]
             walk.trace[q].extend(tail)
             self.taken += len(tail)
@@ -552,7 +552,7 @@ class _Rejoin:
         for item, e in zip(self.old.rank_ops[rank][lo:hi + shift + 1], told[lo:hi + shift + 1]):
             for op in (item if type(item) is FB else (item,)):
                 was[op] = e[1]
-        earlier = told[hi + shift][1] - tnew[hi][1] if hi + shift >= 0 else 0.0
+        earlier = told[hi + shift][1] - tnew[hi][1] if hi >= 0 and hi + shift >= 0 else 0.0  # the clock after them
         for item, e in zip(self.walk.rank_ops[rank][lo:hi + 1], tnew[lo:hi + 1]):
             for op in (item if type(item) is FB else (item,)):
                 d = was.get(op)

@@ -68,19 +68,19 @@ SMALL_PROBLEM_OPS = 600
 """When ``iterations`` is not given, orders of up to this many ops (``op_count``) anneal as
 ``ANNEAL_CHAINS`` chains of ``ANNEAL_CHAIN_STEPS``; larger ones as one chain bounded by ``ANNEAL_WORK``."""
 ANNEAL_WORK = 3_200_000
-"""Ops re-simulated by one annealing chain on a large problem (``simulate.Replay.walked`` summed):
-what a move costs is the part of the order it walks again before the replay's cut-off (at P=8,
-M=24 about 18 ops per step on the dual placement, 64 on the V, 1-2 us each), so a budget of walked
-ops gives each placement about the same CPU and the cheaper one more steps (here: dual 120 000
-in 2.2 M ops, V about 47 000). Longer chains keep finding better orders (P=8, M=24, exposed
-all-to-all 1.0 of F, eight seeds: V 196.4 mean at 60 000 steps / 2.25 M ops, 195.1 at 80 000 / 3 M;
-best seen 192); a second chain of half the length finds less than one chain of the whole (9 of 24
-runs over 1 % from the best known against 5)."""
-ANNEAL_MAX_STEPS = 120_000
+"""Work of one annealing chain on a large problem: the ops its replays walk (``simulate.Replay.walked``)
+plus ``local.REPLAY_WORK`` per replay, which is about what each costs in time (1.75 us per walked op,
+70 us per replay), so a budget gives each placement about the same CPU and the cheaper one more
+steps. At P=8, M=24 (exposed all-to-all 1.0 of F) a V chain replays 30 000 moves of 65 walked ops
+each in 5.6 s; the dual placement's chain reaches ``ANNEAL_MAX_STEPS`` first. Quality follows the
+replays a chain gets: with the hand chain beside it, V 194.0 mean over eight seeds at 2.2 M, 192.25
+at 3.2 M, 192.25 at 4.8 M (before replays rejoined the old walk, ``simulate._Rejoin``, 3 M walked
+ops bought 17 700 replays: 193.38)."""
+ANNEAL_MAX_STEPS = 150_000
 """At most this many steps in that chain, whatever the work: the dual placement's bound. With
-exposed all-to-all 1.0 of F at P=8, M=24, seeds 0-19 reach the optimum (94, the lower bound) on
-11 at 80 000 steps and on 16 at 120 000, 5.1 s per call on average (the chain ends there); 0.5 of F
-never reaches its bound: 86.38 mean at 80 000 (5.4 s), 86.25 at 120 000 (7.0 s)."""
+exposed all-to-all 1.0 of F at P=8, M=24, seeds 0-19 reach the optimum (94, the lower bound) on all
+20 at 150 000 steps, 4.6 s per call on average (the chain ends there; 7 of 8 at 120 000); 0.5 of F
+never reaches its bound: 86.03 mean over 16 seeds at 150 000 (6.9 s), 86.06 over 8 at 120 000 (5.9 s)."""
 WALK_OP_BUDGET = 60_000
 """Randomised walks times ops per schedule when ``iterations`` is not given (200 walks at most,
 10 at least): on large problems annealing finds more in the same time than more walks do."""
@@ -394,9 +394,9 @@ def _anneal_starts(search: Search, chains: int) -> list[Candidate]:
 
 
 ANNEAL_HAND_WORK = 4_000_000
-"""Walked ops of a chain from the best hand schedule (``hand_chain_jobs``), at most ``ANNEAL_MAX_STEPS``
-steps: it starts with the search and runs beside its phases (``chains``), so it gets their time as well
-(V, P=8, M=24: about 7.5 s alone, like the phases and their chain together)."""
+"""Work (as ``ANNEAL_WORK`` counts it) of a chain from the best hand schedule (``hand_chain_jobs``), at
+most ``ANNEAL_MAX_STEPS`` steps: it starts with the search and runs beside its phases (``chains``), so it
+gets their time as well (V, P=8, M=24: about 7 s alone, like the phases and their chain together)."""
 
 
 def hand_chain_jobs(search: Search, seed: int, chains: int) -> list[ChainJob]:
