@@ -451,10 +451,8 @@ class Replay:
         new_items, old_items = walk.rank_ops[rank], old.rank_ops[rank]
         shift = len(old_items) - len(new_items)
         if end is None:
-            end = len(new_items) - 1
-            while end >= index and end + shift >= index and new_items[end] is old_items[end + shift]:
-                end -= 1
-        walk.rejoin = _Rejoin(old, walk, rank, index, end)
+            end = changed_span(old_items, new_items, index)[1]
+        walk.rejoin = _Rejoin(old, walk, rank, index, end, shift)
         walk.stack.remove(rank)
         walk.stack.append(rank)  # the changed rank first: the others may be back on the old walk sooner
         works = walk.works = list(old.rank_works())  # only the changed items' costs change (with their pairing)
@@ -490,9 +488,9 @@ class _Rejoin:
     old end minus that.
     """
 
-    def __init__(self, old: _Walk, walk: _Walk, rank: int, lo: int, hi: int) -> None:
+    def __init__(self, old: _Walk, walk: _Walk, rank: int, lo: int, hi: int, shift: int) -> None:
         self.old, self.walk, self.rank, self.lo, self.hi = old, walk, rank, lo, hi
-        self.shift = len(old.rank_ops[rank]) - len(walk.rank_ops[rank])  # old index - new index after the change
+        self.shift = shift  # old index - new index after the change
         self.consumers = _cross_consumers(walk)
         self.taken = 0  # items copied from the old walk
         self.view = (walk.state, old.trace, rank, hi, self.shift)  # what ``matches`` reads, bound once
@@ -562,6 +560,23 @@ class _Rejoin:
                     earlier = d - e[1]
         earlier = max(earlier, 0.0)
         return [st[1] - earlier for st in self.old.state]
+
+
+def changed_span(old: Sequence, new: Sequence, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+    """The first and last index of ``new`` where it differs from ``old`` (same prefix and suffix kept).
+
+    What ``Replay.changed`` needs of a changed rank, and what annealing passes it (``auto.local``).
+
+    ``lo``/``hi``: ``new`` is known to keep ``old``'s items outside ``new[lo:hi + 1]`` (the scans start there).
+    """
+    n_old, n_new = len(old), len(new)
+    while lo < n_old and lo < n_new and old[lo] is new[lo]:
+        lo += 1
+    hi_new = n_new - 1 if hi is None else hi
+    hi_old = hi_new + n_old - n_new
+    while hi_old >= lo and hi_new >= lo and old[hi_old] is new[hi_new]:
+        hi_old, hi_new = hi_old - 1, hi_new - 1
+    return lo, hi_new
 
 
 _CONSUMERS: OrderedDict[int, tuple[dict, list[tuple[int, ...]] | None]] = OrderedDict()

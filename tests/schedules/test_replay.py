@@ -10,7 +10,7 @@ from mt_dualpipe.schedules import Costs, ScheduleError, build_schedule
 from mt_dualpipe.schedules.auto.local import split_backward
 from mt_dualpipe.schedules.data_parallel import add_grad_reduction
 from mt_dualpipe.schedules.ir import Schedule
-from mt_dualpipe.schedules.simulate import Cutoff, Replay, run_schedule
+from mt_dualpipe.schedules.simulate import Cutoff, Replay, changed_span, run_schedule
 from tests.helpers.schedules import random_move
 
 CASES = [
@@ -23,14 +23,6 @@ CASES = [
 
 def _first_change(old: list, new: list) -> int:
     return next((i for i, (a, b) in enumerate(zip(old, new)) if a is not b), min(len(old), len(new)))
-
-
-def _last_change(old: list, new: list, lo: int) -> int:
-    """The last index of ``new`` that differs from ``old`` (the same items after it), not below ``lo - 1``."""
-    hi, shift = len(new) - 1, len(old) - len(new)
-    while hi >= lo and hi + shift >= lo and new[hi] is old[hi + shift]:
-        hi -= 1
-    return hi
 
 
 @pytest.mark.parametrize("name,P,M,costs", CASES, ids=[c[0] for c in CASES])
@@ -70,7 +62,7 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
         assert 0 < got.walked and got.walked + got.rejoined <= sum(len(ops) for ops in cand)
         rejoined += got.rejoined > 0
         lo = _first_change(ranks[r], cand[r])  # what annealing passes: the changed span's end too
-        assert base.changed(cand, r, lo, None, _last_change(ranks[r], cand[r], lo)).times(r) == got.times(r)
+        assert base.changed(cand, r, lo, None, changed_span(ranks[r], cand[r], lo)[1]).times(r) == got.times(r)
         _check_cutoff(base, cand, r, ref, rng)
         if rng.random() < 0.5:  # walk on, so later replays start from replayed orders
             ranks, base = cand, got

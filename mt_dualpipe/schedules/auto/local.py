@@ -24,7 +24,7 @@ from ..costs import Costs
 from ..errors import ScheduleError
 from ..ir import FB, ComputeItem, Op, Schedule
 from ..ops import OpKind, OpTable, parts
-from ..simulate import Cutoff, Replay, run_schedule
+from ..simulate import Cutoff, Replay, changed_span, run_schedule
 from .layout import Layout
 
 Ranks = list[list[ComputeItem]]
@@ -286,22 +286,6 @@ def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
     return out
 
 
-def _changed_span(old: list[ComputeItem], new: list[ComputeItem], lo: int = 0,
-                  hi: int | None = None) -> tuple[int, int]:
-    """The first and last index of ``new`` where it differs from ``old`` (same prefix and suffix kept).
-
-    ``lo``/``hi``: ``new`` is known to keep ``old``'s items outside ``new[lo:hi + 1]`` (the scans start there).
-    """
-    n_old, n_new = len(old), len(new)
-    while lo < n_old and lo < n_new and old[lo] is new[lo]:
-        lo += 1
-    hi_new = n_new - 1 if hi is None else hi
-    hi_old = hi_new + n_old - n_new
-    while hi_old >= lo and hi_new >= lo and old[hi_old] is new[hi_new]:
-        hi_old, hi_new = hi_old - 1, hi_new - 1
-    return lo, hi_new
-
-
 def waits_on_later(table: OpTable, r: int, ops: list[ComputeItem], lo: int, hi: int) -> bool:
     """True if an item of ``ops[lo:hi + 1]`` waits for a signal that an item at or after it on rank ``r`` makes.
 
@@ -365,7 +349,7 @@ def renumber(ops: list[ComputeItem], lo: int, hi: int, like: list[ComputeItem] |
     micro-batch order the exact backend's symmetry breaking needs. Only ``ops[lo:hi + 1]`` is
     renumbered, with its own micro-batches: enough after a move inside that span of an order
     already in this form. It needs backwards split (a BW is a B and a W that would have to keep
-    one number). Items equal to ``like``'s at the same index are ``like``'s (``_changed_span``
+    one number). Items equal to ``like``'s at the same index are ``like``'s (``changed_span``
     compares identity).
     """
     pools: dict[tuple[str, int, int], list[int]] = {}
@@ -412,7 +396,7 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
         cand = neighbour(ranks, rng, r, window, moves)
         if cand is None:
             continue
-        lo, hi = _changed_span(ranks[r], cand[r])
+        lo, hi = changed_span(ranks[r], cand[r])
         if waits_on_later(table, r, cand[r], lo, hi):
             continue
         res = _try(base, cand, r, lo, Cutoff(limits, cur[0] + 1e-9), hi)
@@ -494,9 +478,9 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         cand = neighbour(ranks, rng, r, window, moves)
         if cand is None:
             continue
-        lo, hi = _changed_span(ranks[r], cand[r])
+        lo, hi = changed_span(ranks[r], cand[r])
         cand[r] = renumber(cand[r], lo, hi, ranks[r])
-        lo, hi = _changed_span(ranks[r], cand[r], lo, hi)  # renumbering only narrows the span
+        lo, hi = changed_span(ranks[r], cand[r], lo, hi)  # renumbering only narrows the span
         if lo > hi or waits_on_later(table, r, cand[r], lo, hi):  # lo > hi: only equals exchanged
             continue
         u = rng.random()  # accept a loss up to temp * ln(1/u): exp(-loss / temp) > u
