@@ -35,6 +35,8 @@ from mt_dualpipe.schedules.auto import (
 )
 from mt_dualpipe.schedules.auto.bound import pairing_window_bound, unpaired_bound, work_bound
 from mt_dualpipe.schedules.auto.local import (
+    ANNEAL_COLD_PHASE,
+    ANNEAL_COLD_REACH,
     FB_MOVES,
     REPLAY_WORK,
     neighbour,
@@ -408,6 +410,53 @@ def test_anneal_ends_once_its_best_is_at_the_floor():
     assert at_floor == makespan < evaluate(layout, costs, start)[0] == start_makespan
     assert evaluate(layout, costs, early)[0] == makespan
     assert 0 < n_early < n_full and not calls and same == start
+
+
+def test_anneal_moves_reach_farther_once_cold():
+    """Steps past ``ANNEAL_COLD_PHASE`` of the chain hand their move ``cold_reach`` times the window,
+    earlier steps the window itself (a move that applies nowhere sees every step); by default never."""
+    layout = Layout.named("v", 2, 4)
+    start = split_backward(build_schedule("dualpipev", 2, 4).ranks)
+    seen = []
+
+    def record(ops, i, rng, window):
+        seen.append(window)
+        return None
+
+    moves = (("record", 1.0, record),)
+    anneal(layout, Costs(), [9] * 2, start, random.Random(0), 100, None, moves, window=5, cold_reach=3)
+    cold = sum(step / 100 > ANNEAL_COLD_PHASE for step in range(100))
+    assert cold == 19 and seen == [5] * (100 - cold) + [15] * cold
+    seen.clear()
+    anneal(layout, Costs(), [9] * 2, start, random.Random(0), 100, None, moves, window=5)
+    assert seen == [5] * 100
+
+
+def test_only_the_long_chains_of_large_problems_reach_farther_once_cold(monkeypatch):
+    """The search's chain on a large problem and its hand chain get ``ANNEAL_COLD_REACH``; the short
+    chains of small problems keep their reach (there twice the window spans much of a rank's order)."""
+    import mt_dualpipe.schedules.auto.chains as chains_mod
+    import mt_dualpipe.schedules.auto.search as search_mod
+
+    got = []
+    real = search_mod.anneal
+
+    def spy(*args, **kwargs):
+        got.append(kwargs.get("cold_reach", 1))
+        if kwargs.get("work"):
+            kwargs["work"] = 20_000  # a short chain: only what it is given matters here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(search_mod, "anneal", spy)
+    monkeypatch.setattr(chains_mod, "anneal", spy)
+    monkeypatch.setattr(search_mod, "_caps_phase", lambda *args, **kwargs: None)  # most of the time, not at issue
+    costs = Costs(1, 1, 1, a2a_f=1, a2a_b=1)
+    build_schedule("auto", 2, 4, costs=costs, placement="v")  # 48 ops: short chains (three, and a capped start)
+    assert len(got) >= 3 and got == [1] * len(got)
+    got.clear()
+    sched = build_schedule("auto", 4, 26, costs=costs, placement="v", workers=1)  # 624 ops: one long chain
+    assert ANNEAL_COLD_REACH == 2 and len(sched.meta["hand_chains"]) == 1
+    assert got == [ANNEAL_COLD_REACH, ANNEAL_COLD_REACH]  # the search's chain, then the hand chain here
 
 
 def test_search_ends_at_the_lower_bound():

@@ -59,12 +59,14 @@ class ChainJob:
     moves: tuple[tuple[str, float, Move], ...]
     floor: float
     ends_at: float | None = None  # the caller's deadline on the wall clock (``time.time()``), if it has one
+    cold_reach: int = 1  # ``anneal``'s: how much farther moves reach once the chain is cold
 
     def run(self) -> tuple[Ranks, float]:
         """The chain's best order and its makespan."""
         deadline = None if self.ends_at is None else time.perf_counter() + (self.ends_at - time.time())
         return anneal(self.layout, self.costs, self.limits, self.ranks, random.Random(self.seed), self.steps,
-                      deadline, self.moves, heat=self.heat, work=self.work, floor=self.floor)
+                      deadline, self.moves, heat=self.heat, work=self.work, floor=self.floor,
+                      cold_reach=self.cold_reach)
 
 
 def default_workers(chains: int) -> int:

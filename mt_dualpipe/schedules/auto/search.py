@@ -47,6 +47,7 @@ from .chains import ChainJob, Chains, default_workers
 from .layout import Layout, memory_limits
 from .listsched import list_schedule
 from .local import (
+    ANNEAL_COLD_REACH,
     ANNEAL_HEAT,
     ANNEAL_MOVES,
     ANNEAL_PLAIN_MOVES,
@@ -376,7 +377,8 @@ def _anneal_phase(search: Search, iterations: int | None, rng: random.Random) ->
     for k, cand in enumerate(_anneal_starts(search, chains)):  # anneal splits each start's backwards itself
         ranks, makespan = anneal(search.layout, search.costs, search.limits, cand.ranks,
                                  random.Random(rng.getrandbits(32)), steps, search.deadline, moves,
-                                 heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work, floor=search.floor)
+                                 heat=ANNEAL_HEATS[k % len(ANNEAL_HEATS)], work=work, floor=search.floor,
+                                 cold_reach=ANNEAL_COLD_REACH if work else 1)  # work: one long chain
         if makespan < search.best.makespan - 1e-9:
             search.consider(ranks, cand.source + "+anneal")
         if search.expired():
@@ -413,7 +415,8 @@ def hand_chain_jobs(search: Search, seed: int, chains: int) -> list[ChainJob]:
     ends_at = None if search.deadline is None else time.time() + (search.deadline - time.perf_counter())
     return [ChainJob(lay, search.costs, list(search.limits), [list(x) for x in search.best.ranks],
                      random.Random(f"hand chain {seed}" + (f" {k}" if k else "")).getrandbits(32), ANNEAL_MAX_STEPS,
-                     ANNEAL_HAND_WORK, ANNEAL_HEAT, moves, search.floor, ends_at) for k in range(chains)]
+                     ANNEAL_HAND_WORK, ANNEAL_HEAT, moves, search.floor, ends_at, ANNEAL_COLD_REACH)
+            for k in range(chains)]
 
 
 def _finish_hand_chains(search: Search, runner: Chains, start: str) -> list[dict]:
