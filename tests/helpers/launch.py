@@ -12,14 +12,14 @@ import os
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-from tests.helpers.dist import free_port
+from tests.helpers.dist import free_port, pack_job, rank_context, unpack_job
 
 
-def launch_child(rank: int, world: int, port: int, fn, args: tuple) -> None:
+def launch_child(rank: int, world: int, port: int, job: bytes) -> None:
     import torch.distributed as dist
 
+    fn, args = unpack_job(job)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -29,9 +29,10 @@ def launch_child(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 def launch(fn, world: int, *args, timeout: float = 90.0) -> list[int | None]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; returns the exit codes (killed ranks included)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     port = free_port()
-    procs = [ctx.Process(target=launch_child, args=(r, world, port, fn, args), daemon=True) for r in range(world)]
+    job = pack_job(fn, args)  # by value, as in run_ranks
+    procs = [ctx.Process(target=launch_child, args=(r, world, port, job), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
