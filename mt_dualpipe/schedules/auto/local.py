@@ -7,7 +7,8 @@ picked half of the time. A move that makes an op wait for one after it on the sa
 rejected without simulating (``waits_on_later``, exact: such an order always deadlocks).
 
 Order transforms used around it: ``split_backward`` (every BW as B then W: never worse),
-``sink_ws`` (W's to the end of their rank where that does not hurt), ``renumber`` (micro-batches
+``sink_ws`` (W's to the end of their rank where that does not hurt), ``close_gaps`` (later W's
+into the idle gaps they fit, held-back producers raised: never worse), ``renumber`` (micro-batches
 in order per stage and kind: never worse either; annealing keeps its orders so) and
 ``in_microbatch_order`` (what the exact backend's symmetry breaking needs of its hint).
 """
@@ -23,7 +24,7 @@ from itertools import accumulate
 from ..costs import Costs
 from ..errors import ScheduleError
 from ..ir import FB, ComputeItem, Op, Schedule
-from ..ops import OpKind, OpTable, parts
+from ..ops import OpKind, OpTable, makes, parts, producers
 from ..simulate import Cutoff, Replay, changed_span, run_schedule
 from .layout import Layout
 
@@ -549,3 +550,175 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
             if _better(score, cur):
                 ranks, cur, base = cand, score, res
     return ranks, cur[0]
+
+
+def _first_gap_fill(base: Replay, ranks: Ranks, r: int, limits: list[int],
+                    cur: tuple[float, float]) -> tuple[Ranks, Replay, tuple[float, float]] | None:
+    """The first gap of rank ``r`` that a later W fills without making the order worse: the new order,
+    its replay and score; None when no gap takes one."""
+    ops, times = ranks[r], base.times(r)
+    b_end = {op[1:]: end for item, (_, end) in zip(ops, times) for op in parts(item) if op.kind == OpKind.B}
+    for i in range(1, len(ops)):
+        gap_start = times[i - 1][1]
+        gap = times[i][0] - gap_start
+        if gap <= 1e-9:
+            continue
+        latest: dict[tuple[int, int], int] = {}  # per local stage: its latest W after the gap whose B is done
+        for j in range(len(ops) - 1, i, -1):
+            w = ops[j]
+            if (type(w) is Op and w.kind == OpKind.W and w[1:3] not in latest
+                    and b_end.get(w[1:], math.inf) <= gap_start + 1e-9 and times[j][1] - times[j][0] <= gap + 1e-9):
+                latest[w[1:3]] = j
+        best = None
+        for j in latest.values():
+            cand = list(ranks)
+            cand[r] = renumber(ops[:i] + [ops[j]] + ops[i:j] + ops[j + 1:], i, j, ops)
+            res = _try(base, cand, r, i, Cutoff(limits, cur[0] + 1e-9), j)
+            if res is None or res.over:
+                continue
+            score = (res.makespan, sum(res.rank_end))
+            if _better(score, cur) and (best is None or score < best[2]):
+                best = (cand, res, score)
+        if best is not None:
+            return best
+    return None
+
+
+def _fill_gaps_with_ws(base: Replay, ranks: Ranks, limits: list[int],
+                       deadline: float | None) -> tuple[Ranks, Replay, int]:
+    """``_first_gap_fill`` on every rank until no gap takes a W; the order, its replay, W's moved."""
+    cur = (base.makespan, sum(base.rank_end))
+    moved, changed = 0, True
+    while changed:
+        changed = False
+        for r in range(len(ranks)):
+            while deadline is None or time.perf_counter() <= deadline:
+                got = _first_gap_fill(base, ranks, r, limits, cur)
+                if got is None:
+                    break
+                ranks, base, cur = got
+                moved, changed = moved + 1, True
+    return ranks, base, moved
+
+
+def _producers_at(ranks: Ranks) -> dict[tuple, tuple[int, int]]:
+    """(rank, index) of the item that makes each signal (``ops.makes``)."""
+    return {sig: (r, i) for r, ops in enumerate(ranks) for i, item in enumerate(ops)
+            for op in parts(item) if (sig := makes(op)) is not None}
+
+
+def _held_back_chain(layout: Layout, lat: list[float], ranks: Ranks, times: list[list[tuple[float, float]]],
+                     made_at: dict, op: Op) -> list[tuple[int, int, float]]:
+    """What ``op`` (after a gap) waits for, back along the pipeline: (rank, index, input arrival) of each
+    producer that started as soon as its own input arrived, up to the first that its rank held back
+    (busy with earlier items), which is last; [] when the chain reaches no held-back producer."""
+    out: list[tuple[int, int, float]] = []
+    ops = [op]
+    while ops:
+        far = [n for o in ops for n in producers(o, layout.placement)]
+        if not far:
+            return []
+        need = max(far, key=lambda n: times[made_at[n[:4]][0]][made_at[n[:4]][1]][1])  # the input that came last
+        q, p = made_at[need[:4]]
+        if out and q == out[-1][0] and p == out[-1][1]:
+            return []
+        item_inputs = [n for o in parts(ranks[q][p]) for n in producers(o, layout.placement)]
+        arrival = max((times[made_at[n[:4]][0]][made_at[n[:4]][1]][1] + (lat[n.stage] if n.rank != q else 0.0)
+                       for n in item_inputs), default=0.0)
+        out.append((q, p, arrival))
+        if times[q][p][0] > arrival + 1e-9:
+            return out
+        ops = list(parts(ranks[q][p]))
+    return []
+
+
+def _raised_chain(ranks: Ranks, times: list[list[tuple[float, float]]],
+                  chain: list[tuple[int, int, float]]) -> Ranks | None:
+    """``chain`` (``_held_back_chain``) with each item raised above the W's just before it that started
+    once its input could be there (the held-back one first, then each that waits for it); None if none moves."""
+    cand = list(ranks)
+    ready, moved = chain[-1][2], False
+    for q, p, _ in reversed(chain):
+        ops = cand[q]
+        k = p
+        while k > 0 and type(ops[k - 1]) is Op and ops[k - 1].kind == OpKind.W and times[q][k - 1][0] >= ready - 1e-9:
+            k -= 1
+        if k < p:
+            cand[q] = ops[:k] + [ops[p]] + ops[k:p] + ops[p + 1:]
+            ready, moved = max(ready, times[q][k][0]) + times[q][p][1] - times[q][p][0], True
+        else:
+            ready = times[q][p][1]
+    return cand if moved else None
+
+
+def _start_sum(run: Replay, ranks: Ranks) -> float:
+    """Sum of the start times of every item but the W's: what raising held-back producers lowers."""
+    return sum(a for r, ops in enumerate(ranks) for item, (a, _) in zip(ops, run.times(r))
+               if not (type(item) is Op and item.kind == OpKind.W))
+
+
+def _pull_held_back(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
+                    base: Replay) -> tuple[Ranks, Replay] | None:
+    """The first raised chain (``_raised_chain``) behind a gap, critical ranks first, that keeps
+    (makespan, sum of rank end times) and lowers ``_start_sum``, or lowers the former; None if none does."""
+    times = [base.times(r) for r in range(layout.P)]
+    made_at = _producers_at(ranks)
+    lat = list(costs.per_stage(layout.S).comm)
+    cur = (base.makespan, sum(base.rank_end))
+    starts = _start_sum(base, ranks)
+    order = sorted(range(layout.P), key=lambda r: -base.rank_end[r])
+    for r in order:
+        for i in range(len(ranks[r]) - 1, 0, -1):  # the latest gaps first: the cool-down sets the makespan
+            if times[r][i][0] <= times[r][i - 1][1] + 1e-9:
+                continue
+            for op in parts(ranks[r][i]):
+                chain = _held_back_chain(layout, lat, ranks, times, made_at, op)
+                cand = _raised_chain(ranks, times, chain) if chain else None
+                if cand is None:
+                    continue
+                try:
+                    run = Replay(Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, cand),
+                                 costs)
+                except ScheduleError:
+                    continue
+                if any(pk > lim for pk, lim in zip(run.peak_activations, limits)):
+                    continue
+                score = (run.makespan, sum(run.rank_end))
+                if (score[0] < cur[0] - 1e-9 or (score[0] <= cur[0] + 1e-9 and score[1] < cur[1] - 1e-9)
+                        or (_better(score, cur) and _start_sum(run, cand) < starts - 1e-9)):
+                    return cand, run
+    return None
+
+
+def close_gaps(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
+               deadline: float | None = None) -> tuple[Ranks, float, int]:
+    """Close the idle gaps of an order; the order, its makespan and how many moves it took.
+
+    Two moves, in turn until neither applies:
+
+    - **a later W into a gap it fits** (its B done before the gap): a W waits only for its own B,
+      on its own rank, and no op waits for it (it frees an activation), so the ops up to its old
+      place keep their times and the ones after may start up to a W sooner: never worse, and
+      memory only falls (``_first_gap_fill``);
+    - **the held-back producer raised**: an op after a gap waits for an input that came late
+      because, somewhere back along the pipeline, a producer's rank ran W's while that producer's
+      own input was already there; that producer goes above those W's, and each op of the chain
+      that waited for it above the W's that started once its input could be there
+      (``_pull_held_back``; kept when the makespan and the sum of rank end times do not grow and
+      the ops other than W's start sooner in sum, so the two moves cannot undo each other).
+
+    Annealing proposes such moves only within a window of the gap and one rank at a time; in the
+    orders it ends with at P=8, M=24 the W's that fit the critical rank's last gaps are often many
+    places later, and a cool-down wait is a chain over several ranks (docs/schedules.md).
+    """
+    base = _replay(layout, costs, ranks, "close_gaps")
+    moved = 0
+    while deadline is None or time.perf_counter() <= deadline:
+        ranks, base, n = _fill_gaps_with_ws(base, ranks, limits, deadline)
+        moved += n
+        got = _pull_held_back(layout, costs, limits, ranks, base)
+        if got is None:
+            break
+        ranks, base = got
+        moved += 1
+    return ranks, base.makespan, moved
