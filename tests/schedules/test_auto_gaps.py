@@ -19,50 +19,48 @@ def _order(layout: Layout, ranks) -> Schedule:
     return Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
 
 
+def _ops(stage: int, text: str) -> list[Op]:
+    """``"F0 B0 W0"`` -> the ops of ``stage`` (chain 0) in that order."""
+    return [Op(OpKind(t[0]), 0, stage, int(t[1:])) for t in text.split()]
+
+
+TWO = Layout.named("linear", 2, 2)
+RANK0 = _ops(0, "F0 F1 B0 B1 W0 W1")
+
+
 def test_a_later_w_runs_in_the_gap_before_a_waiting_b():
     # P=2, M=2, every op 1. Rank 0 waits 4..5 for rank 1's B of micro-batch 1; its W of micro-batch 0
     # (its B done at 4) fits that gap, and then everything after it ends one sooner: 8 -> 7.
-    layout = Layout.named("linear", 2, 2)
-    costs = Costs(1, 1, 1)
-    ranks = [[Op(F, 0, 0, 0), Op(F, 0, 0, 1), Op(B, 0, 0, 0), Op(B, 0, 0, 1), Op(W, 0, 0, 0), Op(W, 0, 0, 1)],
-             [Op(F, 0, 1, 0), Op(B, 0, 1, 0), Op(F, 0, 1, 1), Op(B, 0, 1, 1), Op(W, 0, 1, 0), Op(W, 0, 1, 1)]]
-    assert run_schedule(_order(layout, ranks), costs).makespan == 8
-    filled, makespan, moved = close_gaps(layout, costs, [2, 2], ranks)
+    costs, ranks = Costs(1, 1, 1), [RANK0, _ops(1, "F0 B0 F1 B1 W0 W1")]
+    assert run_schedule(_order(TWO, ranks), costs).makespan == 8
+    filled, makespan, moved = close_gaps(TWO, costs, [2, 2], ranks)
     assert (makespan, moved) == (7, 1)
-    assert filled[0] == [Op(F, 0, 0, 0), Op(F, 0, 0, 1), Op(B, 0, 0, 0), Op(W, 0, 0, 0), Op(B, 0, 0, 1),
-                         Op(W, 0, 0, 1)]
-    assert filled[1] == ranks[1]  # rank 1 has no gap after its first op
-    assert run_schedule(_order(layout, filled), costs).makespan == 7
+    assert filled == [_ops(0, "F0 F1 B0 W0 B1 W1"), ranks[1]]  # rank 1 has no gap after its first op
+    assert run_schedule(_order(TWO, filled), costs).makespan == 7
 
 
 def test_a_w_that_does_not_fit_the_gap_stays():
     # the same order with W's of 2: the gap is 1 long, so nothing moves
-    layout = Layout.named("linear", 2, 2)
-    costs = Costs(1, 1, 2)
-    ranks = [[Op(F, 0, 0, 0), Op(F, 0, 0, 1), Op(B, 0, 0, 0), Op(B, 0, 0, 1), Op(W, 0, 0, 0), Op(W, 0, 0, 1)],
-             [Op(F, 0, 1, 0), Op(B, 0, 1, 0), Op(F, 0, 1, 1), Op(B, 0, 1, 1), Op(W, 0, 1, 0), Op(W, 0, 1, 1)]]
-    filled, makespan, moved = close_gaps(layout, costs, [2, 2], ranks)
+    costs, ranks = Costs(1, 1, 2), [RANK0, _ops(1, "F0 B0 F1 B1 W0 W1")]
+    filled, makespan, moved = close_gaps(TWO, costs, [2, 2], ranks)
     assert (filled, moved) == (ranks, 0)
-    assert makespan == run_schedule(_order(layout, ranks), costs).makespan
+    assert makespan == run_schedule(_order(TWO, ranks), costs).makespan
 
 
 def test_a_producer_held_back_by_a_w_is_raised():
     # P=2, M=2, every op 1. Rank 1 runs W0 (4..5) although its B1's input (its own F1) was there at 4,
     # so rank 0 waits 4..6 for B1. First W0 of rank 0 fills 4..5 (9 -> 8), then rank 1's B1 goes above
     # its W0 (B1 4..5) and rank 0's B1 runs at 5 (8 -> 7).
-    layout = Layout.named("linear", 2, 2)
-    costs = Costs(1, 1, 1)
-    ranks = [[Op(F, 0, 0, 0), Op(F, 0, 0, 1), Op(B, 0, 0, 0), Op(B, 0, 0, 1), Op(W, 0, 0, 0), Op(W, 0, 0, 1)],
-             [Op(F, 0, 1, 0), Op(B, 0, 1, 0), Op(F, 0, 1, 1), Op(W, 0, 1, 0), Op(B, 0, 1, 1), Op(W, 0, 1, 1)]]
-    assert run_schedule(_order(layout, ranks), costs).makespan == 9
-    filled, makespan, moved = close_gaps(layout, costs, [2, 2], ranks)
+    costs, ranks = Costs(1, 1, 1), [RANK0, _ops(1, "F0 B0 F1 W0 B1 W1")]
+    assert run_schedule(_order(TWO, ranks), costs).makespan == 9
+    filled, makespan, moved = close_gaps(TWO, costs, [2, 2], ranks)
     assert (makespan, moved) == (7, 2)
-    assert filled == [[Op(F, 0, 0, 0), Op(F, 0, 0, 1), Op(B, 0, 0, 0), Op(W, 0, 0, 0), Op(B, 0, 0, 1), Op(W, 0, 0, 1)],
-                      [Op(F, 0, 1, 0), Op(B, 0, 1, 0), Op(F, 0, 1, 1), Op(B, 0, 1, 1), Op(W, 0, 1, 0), Op(W, 0, 1, 1)]]
-    # raising B1 holds rank 1's W0 one op longer: refused where that breaks the limit
-    tight = close_gaps(layout, costs, [2, 1], [ranks[0], [Op(F, 0, 1, 0), Op(B, 0, 1, 0), Op(W, 0, 1, 0),
-                                                         Op(F, 0, 1, 1), Op(B, 0, 1, 1), Op(W, 0, 1, 1)]])
-    assert tight[2] == 1 and tight[0][1][2] == Op(W, 0, 1, 0)
+    assert filled == [_ops(0, "F0 F1 B0 W0 B1 W1"), _ops(1, "F0 B0 F1 B1 W0 W1")]
+    # here rank 1's F1 waits behind W0 although rank 0's F1 was there at 2: raising it would hold two
+    # activations on rank 1, so with a limit of 1 only rank 0's W fills its gap
+    tight = close_gaps(TWO, costs, [2, 1], [RANK0, _ops(1, "F0 B0 W0 F1 B1 W1")])
+    assert tight[2] == 1 and tight[0][1] == _ops(1, "F0 B0 W0 F1 B1 W1")
+    assert close_gaps(TWO, costs, [2, 2], [RANK0, _ops(1, "F0 B0 W0 F1 B1 W1")])[0][1][:3] == _ops(1, "F0 B0 F1")
 
 
 def _random_orders():
