@@ -612,19 +612,19 @@ def _held_back_chain(layout: Layout, lat: list[float], ranks: Ranks, times: list
     """What ``op`` (after a gap) waits for, back along the pipeline: (rank, index, input arrival) of each
     producer that started as soon as its own input arrived, up to the first that its rank held back
     (busy with earlier items), which is last; [] when the chain reaches no held-back producer."""
+    def made(need) -> float:  # when the input ``need`` was made
+        q, p = made_at[need[:4]]
+        return times[q][p][1]
+
     out: list[tuple[int, int, float]] = []
     ops = [op]
-    while ops:
+    while ops:  # each producer ended before its consumer started: the walk goes back in time and ends
         far = [n for o in ops for n in producers(o, layout.placement)]
         if not far:
             return []
-        need = max(far, key=lambda n: times[made_at[n[:4]][0]][made_at[n[:4]][1]][1])  # the input that came last
-        q, p = made_at[need[:4]]
-        if out and q == out[-1][0] and p == out[-1][1]:
-            return []
+        q, p = made_at[max(far, key=made)[:4]]  # the input that came last
         item_inputs = [n for o in parts(ranks[q][p]) for n in producers(o, layout.placement)]
-        arrival = max((times[made_at[n[:4]][0]][made_at[n[:4]][1]][1] + (lat[n.stage] if n.rank != q else 0.0)
-                       for n in item_inputs), default=0.0)
+        arrival = max((made(n) + (lat[n.stage] if n.rank != q else 0.0) for n in item_inputs), default=0.0)
         out.append((q, p, arrival))
         if times[q][p][0] > arrival + 1e-9:
             return out
@@ -677,15 +677,14 @@ def _pull_held_back(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
                 if cand is None:
                     continue
                 try:
-                    run = Replay(Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, cand),
-                                 costs)
+                    run = _replay(layout, costs, cand, "close_gaps")
                 except ScheduleError:
                     continue
                 if any(pk > lim for pk, lim in zip(run.peak_activations, limits)):
                     continue
                 score = (run.makespan, sum(run.rank_end))
-                if (score[0] < cur[0] - 1e-9 or (score[0] <= cur[0] + 1e-9 and score[1] < cur[1] - 1e-9)
-                        or (_better(score, cur) and _start_sum(run, cand) < starts - 1e-9)):
+                if _better(score, cur) and (score[0] < cur[0] - 1e-9 or score[1] < cur[1] - 1e-9
+                                            or _start_sum(run, cand) < starts - 1e-9):
                     return cand, run
     return None
 

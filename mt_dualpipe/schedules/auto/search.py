@@ -437,19 +437,15 @@ def _finish_hand_chains(search: Search, runner: Chains, start: str) -> list[dict
     for k, ranks, makespan, in_child in runner.results(search.at_floor):
         info[k].update(makespan=makespan, in_child=in_child)
         if search.consider(ranks, start + "+anneal") is not None:
-            filled, _, moved = close_gaps(search.layout, search.costs, search.limits, ranks, search.deadline)
-            if moved:
-                search.consider(filled, start + "+anneal+gaps")
+            _consider_closed(search, ranks, start + "+anneal")
     return info
 
 
-def _close_gaps_of_best(search: Search) -> None:
-    """Step 9 (``local.close_gaps``) on the best order of the phases: never worse."""
-    if search.best is None or search.at_floor() or search.expired():
-        return
-    filled, _, moved = close_gaps(search.layout, search.costs, search.limits, search.best.ranks, search.deadline)
+def _consider_closed(search: Search, ranks: Ranks, source: str) -> None:
+    """Step 9 (``local.close_gaps``): ``ranks`` with its gaps closed, as a candidate (never worse)."""
+    closed, _, moved = close_gaps(search.layout, search.costs, search.limits, ranks, search.deadline)
     if moved:
-        search.consider(filled, search.best.source + "+gaps")
+        search.consider(closed, source + "+gaps")
 
 
 def check_options(costs: object, seed: object, time_budget: object,
@@ -503,7 +499,8 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
     runner = Chains(jobs, default_workers(len(jobs)) if workers is None else workers)
     try:
         _phases(search, layout, sc, seed, iterations, limit_value)
-        _close_gaps_of_best(search)
+        if search.best is not None and not search.expired():  # expired: past the deadline or at the bound
+            _consider_closed(search, search.best.ranks, search.best.source)
         hand = _finish_hand_chains(search, runner, hand_start)
     finally:
         runner.cancel()
