@@ -10,6 +10,10 @@ The Zero Bubble paper's greedy idea, generalised to any placement. Whenever a ra
    due sooner);
 3. **applies** it: the rank's clock, the signals its op makes, the activations it holds.
 
+A walk may be given a **prefix**: each rank's first items, run as given (each once its inputs are
+there) before the policy chooses the rest. That re-lists the cool-down of an annealed order
+(``repair``) without touching what came before.
+
 Memory: an F runs only while the rank is under its activation limit, and with ``reserve`` a
 micro-batch enters only when every rank it will visit keeps a slot for it, which makes the walk
 deadlock-free under any limit >= the stages a chain has on one rank. Micro-batches of a
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from ..costs import StageCosts
 from ..ir import FB, ComputeItem, Op
-from ..ops import OpKind, OpTable
+from ..ops import OpKind, OpTable, parts
 from .layout import Layout
 from .policies import Policy
 
@@ -81,8 +85,9 @@ class _Walk:
     """The state of one walk; ``run`` returns per-rank op lists, or None if the walk got stuck."""
 
     def __init__(self, layout: Layout, table: OpTable, sc: StageCosts, limits: list[int], policy: Policy,
-                 rng: random.Random | None, noise: float) -> None:
+                 rng: random.Random | None, noise: float, prefix: list[list[ComputeItem]] | None = None) -> None:
         P, S = layout.P, layout.S
+        self.prefix = prefix if prefix is not None else [[] for _ in range(P)]
         self.layout, self.sc, self.limits, self.policy = layout, sc, limits, policy
         self.rng = rng if noise else None
         self.noise = noise
@@ -267,6 +272,41 @@ class _Walk:
                 return held
         return ready.next_known if choice is None else choice
 
+    def forced(self, r: int, t: float, item: ComputeItem) -> Choice | float | None:
+        """A prefix item as a ``Choice`` once its inputs are there, else the time they will be (INF: not
+        yet known); None if it is not the next micro-batch of its stage (or a W whose B has not run).
+
+        A prefix W is moved to the head of the rank's queue of deferred W's, so the named W runs.
+        """
+        S, end, lat = self.layout.S, self.end, self.sc.comm
+        ready, f, b = 0.0, None, None
+        for op in parts(item):
+            c, s, m = op[1:]
+            k = c * S + s
+            mbs = self.layout.chain_mbs[c]
+            if op.kind == OpKind.W:
+                queue, head = self.wq[r], self.wq_head[r]
+                if (c, s, m) not in queue[head:]:
+                    return None
+                queue.insert(head, queue.pop(queue.index((c, s, m), head)))  # the others keep their order
+                return Choice(OpKind.W)
+            if op.kind == OpKind.F:
+                if self.next_f[k] >= len(mbs) or mbs[self.next_f[k]] != m:
+                    return None
+                waits = self.f_tpl[k][0]
+                ready = max(ready, _arrival(waits, m + m, r, end, lat) if waits else 0.0)
+                f = (c, s, m)
+            else:
+                if op.kind != self.bkind or self.next_b[k] >= self.next_f[k] or mbs[self.next_b[k]] != m:
+                    return None
+                ready = max(ready, _arrival(self.b_tpl[k][0], m + m, r, end, lat))
+                b = (c, s, m)
+        if ready > t:
+            return ready
+        if f is not None and b is not None:
+            return Choice(OpKind.FB, f, b)
+        return Choice(OpKind.F, f) if f is not None else Choice(self.bkind, None, b)
+
     # ----- 3. apply ----------------------------------------------------------------------------
     def _start_f(self, r: int, c: int, s: int, m: int, end: float) -> None:
         layout, k = self.layout, c * self.layout.S + s
@@ -337,7 +377,12 @@ class _Walk:
             if waiting[r]:
                 waiting[r] = False
                 now[r] = t = max(now[r], t)
-            got = choose(r, t, gather(r, t))
+            if len(self.out[r]) < len(self.prefix[r]):
+                got = self.forced(r, t, self.prefix[r][len(self.out[r])])
+                if got is None:
+                    return None
+            else:
+                got = choose(r, t, gather(r, t))
             if type(got) is not Choice:
                 waiting[r], wake[r] = True, got
                 continue
@@ -350,12 +395,16 @@ class _Walk:
 
 def list_schedule(layout: Layout, sc: StageCosts, limits: list[int], policy: Policy,
                   rng: random.Random | None = None, noise: float = 0.0,
-                  table: OpTable | None = None) -> list[list[ComputeItem]] | None:
+                  table: OpTable | None = None,
+                  prefix: list[list[ComputeItem]] | None = None) -> list[list[ComputeItem]] | None:
     """One greedy walk under ``policy``; per-rank op lists, or None if the walk got stuck.
+
+    ``prefix``: each rank's first items, run as given before the policy chooses (None if one is not
+    the next micro-batch of its stage, as the walk runs each stage's micro-batches in order).
 
     ``rng`` and ``noise`` randomise ties (the order of ready F's / B's, B-first vs F-first);
     ``table`` (the placement's ``OpTable`` with ``sc``) may be passed to share it between walks.
     """
     if table is None:
         table = OpTable(layout.placement, layout.M, sc)
-    return _Walk(layout, table, sc, limits, policy, rng, noise).run()
+    return _Walk(layout, table, sc, limits, policy, rng, noise, prefix).run()

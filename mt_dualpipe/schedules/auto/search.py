@@ -28,6 +28,12 @@
    W or the chain of waits is far from the gap (P=8, M=24, 16 seeds, mean makespan: V with all-to-all
    1.0 of F 192.00 -> 191.13, five at the bound 190; 0.5 of F 173.91 -> 173.53; dual 0.5 of F
    85.94 -> 85.91, docs/schedules.md).
+10. **Repairs** (``repair``), on the same orders: the cool-down list-scheduled again from 0.75, 0.8
+   and 0.85 of the makespan on (``relist_cooldown``: ``listsched`` with each rank's earlier items as
+   a prefix; annealing leaves W's ahead of ready B's there, which a greedy walk does not), and,
+   where FB units pay, a stray lone F and B of the critical rank paired and the cool-down re-listed
+   around the unit (``pair_strays``). Same profiles: V 1.0 of F 191.13 -> 190.00 (the optimum on
+   every seed), 0.5 of F 173.53 -> 172.56 (best known now 172), dual 0.5 of F 85.91 -> 85.69.
 
 Every candidate is scored by ``simulate.run_schedule`` (makespan, then peak activations), the
 steps of local search and annealing by ``simulate.Replay``; the search is bounded by iteration
@@ -67,6 +73,7 @@ from .local import (
     split_backward,
 )
 from .policies import Policy, fb_policies, policies
+from .repair import pair_strays, relist_cooldown
 
 HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "dualpipev"), "dual": ("dualpipe",)}
 """The hand schedules ``auto`` starts from and must never lose to, per placement."""
@@ -437,15 +444,30 @@ def _finish_hand_chains(search: Search, runner: Chains, start: str) -> list[dict
     for k, ranks, makespan, in_child in runner.results(search.at_floor):
         info[k].update(makespan=makespan, in_child=in_child)
         if search.consider(ranks, start + "+anneal") is not None:
-            _consider_closed(search, ranks, start + "+anneal")
+            _consider_repaired(search, ranks, start + "+anneal")
     return info
 
 
-def _consider_closed(search: Search, ranks: Ranks, source: str) -> None:
-    """Step 9 (``local.close_gaps``): ``ranks`` with its gaps closed, as a candidate (never worse)."""
-    closed, _, moved = close_gaps(search.layout, search.costs, search.limits, ranks, search.deadline)
+def _consider_repaired(search: Search, ranks: Ranks, source: str) -> None:
+    """Steps 9 and 10: ``ranks`` with its gaps closed (``local.close_gaps``, never worse), its cool-down
+    list-scheduled again (``repair.relist_cooldown``) and, where FB units pay, a stray lone F and B of
+    the critical rank paired (``repair.pair_strays``), each as a candidate."""
+    lay, costs, limits = search.layout, search.costs, search.limits
+    closed, makespan, moved = close_gaps(lay, costs, limits, ranks, search.deadline)
     if moved:
         search.consider(closed, source + "+gaps")
+        source += "+gaps"
+    best = (closed, makespan, source)
+    if search.expired():
+        return
+    got = relist_cooldown(lay, costs, limits, closed, deadline=search.deadline)
+    if got is not None and search.consider(got[0], source + "+cooldown") is not None and got[1] < makespan - 1e-9:
+        best = (got[0], got[1], source + "+cooldown")
+    if search.expired() or not _pairing_saves(lay, costs):
+        return
+    got = pair_strays(lay, costs, limits, best[0], search.deadline)
+    if got is not None:
+        search.consider(got[0], best[2] + "+pairs")
 
 
 def check_options(costs: object, seed: object, time_budget: object,
@@ -500,7 +522,7 @@ def heuristic(layout: Layout, costs: Costs, memory_limit: int | Sequence[int] | 
     try:
         _phases(search, layout, sc, seed, iterations, limit_value)
         if search.best is not None and not search.expired():  # expired: past the deadline or at the bound
-            _consider_closed(search, search.best.ranks, search.best.source)
+            _consider_repaired(search, search.best.ranks, search.best.source)
         hand = _finish_hand_chains(search, runner, hand_start)
     finally:
         runner.cancel()

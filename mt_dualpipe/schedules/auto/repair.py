@@ -1,0 +1,142 @@
+"""Repairs of an annealed order: its cool-down list-scheduled again, and a stray lone F and B paired.
+
+Annealing ends with the pairing and the warm-up of the best known orders, or one unit short of
+it, and a cool-down a unit or two off. Two deterministic repairs take such orders the rest of
+the way (P=8, M=24, docs/schedules.md):
+
+- **cool-down re-listing** (``relist_cooldown``): a W run ahead of a B that was ready on one
+  rank delays the B's of every rank after it, and the loss shows up as short gaps on the
+  critical rank many ops later; the order of the last lone B's and W's is what a greedy walk does
+  well (a B as soon as it is ready, an F paired with a ready B, W's in the idle moments). Each rank
+  keeps its items that start before a cut, the walk (``listsched`` with that prefix) chooses the
+  rest under each of ``cooldown_policies``, and the best result has its gaps closed
+  (``local.close_gaps``);
+- **stray pairing** (``pair_strays``): the critical rank runs one F and one B of its two stages
+  lone that the best orders run as one FB unit, so it pays their all-to-all twice and ends a unit
+  or two after every other rank. The unit is built at either op's place and the cool-down
+  re-listed around it; as a single annealing move it gains nothing until the ops behind it are
+  re-listed, and its partner is often many places away.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..costs import Costs
+from ..errors import ScheduleError
+from ..ir import FB, ComputeItem, Op, Schedule
+from ..ops import OpKind, OpTable
+from ..simulate import Replay
+from .layout import Layout
+from .listsched import list_schedule
+from .local import close_gaps, evaluate, renumber
+from .policies import Policy, policies
+
+Ranks = list[list[ComputeItem]]
+
+COOLDOWN_CUTS = (0.75, 0.8, 0.85)
+"""Where the re-listed cool-down starts, as fractions of the order's makespan; each is tried. On the
+V orders of P=8, M=24 that the search had left at 192 (all-to-all 1.0 of F, optimum 190), cut at
+0.75 four of seven went to 190, 0.8 and 0.85 mend others; from 0.7 down the walk loses the
+steady state (196-215), from 0.9 on nothing is left to change."""
+
+STRAY_RELISTS = 2
+"""How many of the paired candidates (best first, none worse than the order) get their cool-down re-listed."""
+
+
+def cooldown_policies(placement: str, costs: Costs, num_stages: int) -> list[Policy]:
+    """The policy grid with split backwards (annealed orders run B then W), without what only matters
+    while micro-batches still enter the pipeline (``inject_first``) or a partner is worth waiting for
+    (``pair_wait``): on the cool-downs measured those never changed the result."""
+    sc = costs.per_stage(num_stages)
+    return [p for p in policies(placement, sc) if p.split and not p.inject_first and not p.pair_wait]
+
+
+def prefix_before(ranks: Ranks, replay: Replay, t: float) -> Ranks:
+    """Each rank's items that start before ``t`` in ``replay`` (its times for ``ranks``)."""
+    return [[item for item, (start, _) in zip(ops, replay.times(r)) if start < t] for r, ops in enumerate(ranks)]
+
+
+def _within(ev: tuple[float, list[float], list[int]] | None, limits: list[int]) -> bool:
+    return ev is not None and all(peak <= lim for peak, lim in zip(ev[2], limits))
+
+
+def relist_cooldown(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
+                    cuts: tuple[float, ...] = COOLDOWN_CUTS,
+                    deadline: float | None = None) -> tuple[Ranks, float] | None:
+    """The best of ``ranks`` and the orders with each rank's items up to a cut kept and the rest
+    list-scheduled again, its gaps closed; (order, makespan), or None if ``ranks`` does not run within
+    ``limits``. Never worse than ``ranks``. Past ``deadline`` (``time.perf_counter``) no more walks start.
+    """
+    sched = Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
+    try:
+        replay = Replay(sched, costs)
+    except ScheduleError:
+        return None
+    if any(peak > lim for peak, lim in zip(replay.peak_activations, limits)):
+        return None
+    sc = costs.per_stage(layout.S)
+    table = OpTable(layout.placement, layout.M, sc)
+    pols = cooldown_policies(layout.name, costs, layout.S)
+    best = ((replay.makespan, sum(replay.rank_end)), ranks)
+    for cut in cuts:
+        prefix = prefix_before(ranks, replay, cut * replay.makespan)
+        for pol in pols:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            got = list_schedule(layout, sc, limits, pol, None, 0.0, table, prefix)
+            ev = evaluate(layout, costs, got) if got is not None else None
+            if not _within(ev, limits):
+                continue
+            key = (ev[0], sum(ev[1]))
+            if key < best[0]:
+                best = (key, got)
+    closed, makespan, _ = close_gaps(layout, costs, limits, best[1], deadline)
+    return closed, makespan
+
+
+def stray_pairings(ops: list[ComputeItem]) -> list[list[ComputeItem]]:
+    """Rank orders with one lone F and a lone B of another local stage made one FB unit: for each lone F,
+    the nearest such B before it and after it, the unit at either op's place (renumbered)."""
+    lone = [(i, x) for i, x in enumerate(ops) if type(x) is Op and x.kind in (OpKind.F, OpKind.B)]
+    out = []
+    for k, (i, f) in enumerate(lone):
+        if f.kind != OpKind.F:
+            continue
+        before = next(((j, x) for j, x in reversed(lone[:k]) if x.kind == OpKind.B and x[1:3] != f[1:3]), None)
+        after = next(((j, x) for j, x in lone[k + 1:] if x.kind == OpKind.B and x[1:3] != f[1:3]), None)
+        for j, b in (p for p in (before, after) if p is not None):
+            for at, gone in ((i, j), (j, i)):
+                new = [FB(f, b) if n == at else x for n, x in enumerate(ops) if n != gone]
+                out.append(renumber(new, 0, len(new) - 1))
+    return out
+
+
+def pair_strays(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
+                deadline: float | None = None) -> tuple[Ranks, float] | None:
+    """The best order with a stray lone F and B of a critical rank (one that ends last) paired
+    (``stray_pairings``) and its cool-down re-listed; (order, makespan), or None when no pairing keeps
+    the makespan and the limit. Only the ``STRAY_RELISTS`` best pairings are re-listed; never worse
+    than ``ranks``. Past ``deadline`` no more pairings are scored or re-listed.
+    """
+    ev0 = evaluate(layout, costs, ranks)
+    if ev0 is None:
+        return None
+    makespan = ev0[0]
+    scored = []
+    for r in (r for r in range(layout.P) if ev0[1][r] >= makespan - 1e-9):
+        for ops in stray_pairings(ranks[r]):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            cand = list(ranks)
+            cand[r] = ops
+            ev = evaluate(layout, costs, cand)
+            if _within(ev, limits) and ev[0] <= makespan + 1e-9:
+                scored.append(((ev[0], sum(ev[1])), len(scored), cand))
+    scored.sort(key=lambda x: x[:2])
+    best = None
+    for _, _, cand in scored[:STRAY_RELISTS]:
+        got = relist_cooldown(layout, costs, limits, cand, deadline=deadline)
+        if got is not None and (best is None or got[1] < best[1]):
+            best = got
+    return best
