@@ -3,9 +3,7 @@ walk with a prefix they rest on."""
 
 from __future__ import annotations
 
-import random
-
-from mt_dualpipe.schedules import Costs, Schedule, build_schedule, validate
+from mt_dualpipe.schedules import Costs, build_schedule, validate
 from mt_dualpipe.schedules.auto import Layout, Policy, list_schedule
 from mt_dualpipe.schedules.auto import search as search_module
 from mt_dualpipe.schedules.auto.local import close_gaps, evaluate, renumber, split_backward
@@ -19,18 +17,7 @@ from mt_dualpipe.schedules.auto.repair import (
 from mt_dualpipe.schedules.ir import FB, Op
 from mt_dualpipe.schedules.ops import OpKind
 from mt_dualpipe.schedules.simulate import Replay, run_schedule
-
-W = OpKind.W
-
-
-def _order(layout: Layout, ranks) -> Schedule:
-    return Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
-
-
-def _ops(stage: int, text: str) -> list[Op]:
-    """``"F0 B0 W0"`` -> the ops of ``stage`` (chain 0) in that order."""
-    return [Op(OpKind(t[0]), 0, stage, int(t[1:])) for t in text.split()]
-
+from tests.helpers.schedules import ops_of, order_of, random_walk_orders
 
 TWO = Layout.named("linear", 2, 2)
 
@@ -47,11 +34,11 @@ def test_a_walk_runs_its_prefix_as_given_then_chooses():
     # the rest is the other policy's choice: neither the order the prefix came from nor that policy's own walk
     assert got != full and got != list_schedule(layout, sc, [6] * 3, other)
     assert [sorted(map(str, ops)) for ops in got] == [sorted(map(str, ops)) for ops in full]
-    validate(_order(layout, got))
+    validate(order_of(layout, got))
     # a prefix whose F's skip a micro-batch of their stage cannot be run: the walk says so
-    assert list_schedule(TWO, Costs(1, 1, 1).per_stage(2), [2, 2], Policy(), prefix=[_ops(0, "F1"), []]) is None
+    assert list_schedule(TWO, Costs(1, 1, 1).per_stage(2), [2, 2], Policy(), prefix=[ops_of(0, "F1"), []]) is None
     # nor a W whose B has not run
-    assert list_schedule(TWO, Costs(1, 1, 1).per_stage(2), [2, 2], Policy(), prefix=[_ops(0, "F0 W0"), []]) is None
+    assert list_schedule(TWO, Costs(1, 1, 1).per_stage(2), [2, 2], Policy(), prefix=[ops_of(0, "F0 W0"), []]) is None
 
 
 def test_relisting_runs_the_ready_b_before_the_w():
@@ -59,56 +46,35 @@ def test_relisting_runs_the_ready_b_before_the_w():
     # rank 0 waits 4..6 for B1: makespan 9. Cut at 0.4 of it (3.6), each rank keeps what started before
     # (rank 0: F0 F1 B0 from 3; rank 1: F0 B0 F1 from 3) and the walk runs rank 1's B1 at 4, rank 0's W0
     # in its wait and B1 at 5: makespan 7.
-    costs, ranks = Costs(1, 1, 1), [_ops(0, "F0 F1 B0 B1 W0 W1"), _ops(1, "F0 B0 F1 W0 B1 W1")]
-    assert run_schedule(_order(TWO, ranks), costs).makespan == 9
+    costs, ranks = Costs(1, 1, 1), [ops_of(0, "F0 F1 B0 B1 W0 W1"), ops_of(1, "F0 B0 F1 W0 B1 W1")]
+    assert run_schedule(order_of(TWO, ranks), costs).makespan == 9
     relisted, makespan = relist_cooldown(TWO, costs, [2, 2], ranks, cuts=(0.4,))
     assert makespan == 7
-    assert relisted == [_ops(0, "F0 F1 B0 W0 B1 W1"), _ops(1, "F0 B0 F1 B1 W0 W1")]
-    assert run_schedule(_order(TWO, relisted), costs).makespan == 7
-
-
-def _random_orders():
-    rng = random.Random(11)
-    cases = []
-    for placement, P, M, costs in (
-            ("linear", 4, 8, Costs(1, 2, 1, comm=0.5)),
-            ("v", 3, 6, Costs(1, 1, 1, a2a_f=1, a2a_b=1)),
-            ("v", 4, 8, Costs([1, 1, 1, 1, 1, 1, 1, 2], 1, [1, 0.5, 1, 1, 1, 1, 1, 1])),
-            ("dual", 4, 8, Costs(1, 1, 1, a2a_f=0.5, a2a_b=0.5, comm=0.25))):
-        layout = Layout.named(placement, P, M)
-        sc = costs.per_stage(layout.S)
-        for k in (0, 3):
-            pol = Policy(pair=placement != "linear" and k == 0, b_first=k == 0)
-            ranks = list_schedule(layout, sc, [3 * P] * P, pol, rng, 0.5)
-            ranks = [renumber(ops, 0, len(ops) - 1) for ops in split_backward(ranks)]
-            if k:  # every W at the end of its rank: the cool-down's B's wait behind nothing, its gaps stay open
-                ranks = [[x for x in ops if x.kind != W] + [x for x in ops if x.kind == W] for ops in ranks]
-            limits = run_schedule(_order(layout, ranks), costs, record=False).peak_activations
-            cases.append((layout, costs, limits, ranks))
-    return cases
+    assert relisted == [ops_of(0, "F0 F1 B0 W0 B1 W1"), ops_of(1, "F0 B0 F1 B1 W0 W1")]
+    assert run_schedule(order_of(TWO, relisted), costs).makespan == 7
 
 
 def test_relisted_orders_are_valid_within_the_limit_and_keep_each_ranks_ops():
-    for layout, costs, limits, ranks in _random_orders():
+    for layout, costs, limits, ranks in random_walk_orders(11, (0, 3)):
         relisted, makespan = relist_cooldown(layout, costs, limits, ranks)
-        res = run_schedule(_order(layout, relisted), costs, record=False)
-        validate(_order(layout, relisted))
+        res = run_schedule(order_of(layout, relisted), costs, record=False)
+        validate(order_of(layout, relisted))
         assert res.makespan == makespan
         assert all(p <= lim for p, lim in zip(res.peak_activations, limits))
         assert [sorted(map(str, ops)) for ops in relisted] == [sorted(map(str, ops)) for ops in ranks]
-        assert makespan <= run_schedule(_order(layout, ranks), costs, record=False).makespan  # never worse
+        assert makespan <= run_schedule(order_of(layout, ranks), costs, record=False).makespan  # never worse
         # a cut past the end keeps the whole order: what is left is gap closing alone
         closed = close_gaps(layout, costs, limits, ranks)
         assert relist_cooldown(layout, costs, limits, ranks, cuts=(1.01,)) == (closed[0], closed[1])
         # past the deadline nothing is walked or moved: the order comes back as it was
-        given = run_schedule(_order(layout, ranks), costs, record=False).makespan
+        given = run_schedule(order_of(layout, ranks), costs, record=False).makespan
         assert relist_cooldown(layout, costs, limits, ranks, deadline=0.0) == (ranks, given)
 
 
 def test_the_prefix_is_what_started_before_the_cut():
     layout, costs = Layout.named("v", 3, 6), Costs(1, 1, 1, a2a_f=1, a2a_b=1)
     ranks = list_schedule(layout, costs.per_stage(layout.S), [6] * 3, Policy(pair=True))
-    replay = Replay(_order(layout, ranks), costs)
+    replay = Replay(order_of(layout, ranks), costs)
     cut = 0.5 * replay.makespan
     prefix = prefix_before(ranks, replay, cut)
     for r, ops in enumerate(ranks):
@@ -122,7 +88,7 @@ def test_the_prefix_is_what_started_before_the_cut():
     assert {p.pair for p in cooldown_policies("linear", costs, 4)} == {False}
 
 
-def test_the_search_relists_the_cooldown_of_its_best_order(monkeypatch):
+def test_the_search_relists_the_cooldown_of_its_bestorder_of(monkeypatch):
     calls = []
     real = search_module.relist_cooldown
 
@@ -142,7 +108,7 @@ def test_the_search_relists_the_cooldown_of_its_best_order(monkeypatch):
     assert len(calls) == 1  # the best order of the phases (no hand chains with iterations given)
     before, (relisted, makespan) = calls[0]
     layout = Layout.named("v", 4, 8)
-    assert run_schedule(_order(layout, before), costs, record=False).makespan == 76
+    assert run_schedule(order_of(layout, before), costs, record=False).makespan == 76
     assert sched.meta["source"].endswith("+gaps+cooldown")
     assert sched.ranks == relisted and run_schedule(sched, costs, record=False).makespan == makespan == 75
     assert paired == [relisted]  # stray pairing starts from the re-listed order, and found nothing better here
@@ -185,9 +151,9 @@ def test_a_unit_split_on_the_critical_rank_is_paired_again():
         if before is None or before[0] <= whole[0]:
             continue
         paired, makespan = pair_strays(layout, costs, [6] * 3, split)
-        validate(_order(layout, paired))
+        validate(order_of(layout, paired))
         assert makespan <= whole[0] < before[0]
-        assert makespan == run_schedule(_order(layout, paired), costs, record=False).makespan
+        assert makespan == run_schedule(order_of(layout, paired), costs, record=False).makespan
         tried += 1
     assert tried > 0
     # an order whose critical rank has no lone F has nothing to pair
