@@ -42,13 +42,18 @@ def evaluate(layout: Layout, costs: Costs, ranks: Ranks) -> Evaluation | None:
     return res.makespan, res.rank_end, res.peak_activations
 
 
-def _replay(layout: Layout, costs: Costs, ranks: Ranks, what: str) -> Replay:
+def replay_order(layout: Layout, costs: Costs, ranks: Ranks, what: str) -> Replay:
     """The ``Replay`` of a start order; ``ScheduleError`` naming ``what`` needs it if it deadlocks."""
     sched = Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
     try:
         return Replay(sched, costs)
     except ScheduleError as exc:
         raise ScheduleError(f"{what} needs a schedule that runs to completion") from exc
+
+
+def fits(peaks: list[int], limits: list[int]) -> bool:
+    """True when every rank's peak activations are within its limit."""
+    return all(peak <= lim for peak, lim in zip(peaks, limits))
 
 
 def _try(base: Replay, cand: Ranks, r: int, lo: int, cutoff: Cutoff, hi: int | None = None) -> Replay | None:
@@ -383,7 +388,7 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
                  steps: int, deadline: float | None,
                  moves: tuple[tuple[str, float, Move], ...] = MOVES, window: int = 6) -> tuple[Ranks, float]:
     """Hill-climb on per-rank orders for ``steps`` moves (or until ``deadline``); the best order and makespan."""
-    base = _replay(layout, costs, ranks, "local search")
+    base = replay_order(layout, costs, ranks, "local search")
     cur, ends = (base.makespan, sum(base.rank_end)), base.rank_end
     P = layout.P
     table = OpTable(layout.placement, layout.M)
@@ -478,7 +483,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         raise ScheduleError("anneal keeps every backward split into B and W, so its moves cannot include "
                             "split_bw; allowed: ANNEAL_MOVES, ANNEAL_PLAIN_MOVES or others without it")
     ranks = [renumber(ops, 0, len(ops) - 1) for ops in split_backward(ranks)]
-    base = _replay(layout, costs, ranks, "annealing")
+    base = replay_order(layout, costs, ranks, "annealing")
     P = layout.P
     cur = _anneal_score(base, P)
     best, best_key = ranks, (base.makespan, sum(base.rank_end))
@@ -529,7 +534,7 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
     sooner; one pass over the W's (last first), moving each to the end of its rank and keeping the
     move when (makespan, sum of rank end times) does not grow.
     """
-    base = _replay(layout, costs, ranks, "sink_ws")
+    base = replay_order(layout, costs, ranks, "sink_ws")
     cur = (base.makespan, sum(base.rank_end))
     for r in range(layout.P):
         ws = [item for item in ranks[r] if type(item) is Op and item.kind == OpKind.W]
@@ -677,10 +682,10 @@ def _pull_held_back(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
                 if cand is None:
                     continue
                 try:
-                    run = _replay(layout, costs, cand, "close_gaps")
+                    run = replay_order(layout, costs, cand, "close_gaps")
                 except ScheduleError:
                     continue
-                if any(pk > lim for pk, lim in zip(run.peak_activations, limits)):
+                if not fits(run.peak_activations, limits):
                     continue
                 score = (run.makespan, sum(run.rank_end))
                 if _better(score, cur) and (score[0] < cur[0] - 1e-9 or score[1] < cur[1] - 1e-9
@@ -710,7 +715,7 @@ def close_gaps(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
     orders it ends with at P=8, M=24 the W's that fit the critical rank's last gaps are often many
     places later, and a cool-down wait is a chain over several ranks (docs/schedules.md).
     """
-    base = _replay(layout, costs, ranks, "close_gaps")
+    base = replay_order(layout, costs, ranks, "close_gaps")
     moved = 0
     while deadline is None or time.perf_counter() <= deadline:
         ranks, base, n = _fill_gaps_with_ws(base, ranks, limits, deadline)

@@ -24,12 +24,12 @@ import time
 
 from ..costs import Costs
 from ..errors import ScheduleError
-from ..ir import FB, ComputeItem, Op, Schedule
+from ..ir import FB, ComputeItem, Op
 from ..ops import OpKind, OpTable
 from ..simulate import Replay
 from .layout import Layout
 from .listsched import list_schedule
-from .local import close_gaps, evaluate, renumber
+from .local import close_gaps, evaluate, fits, renumber, replay_order
 from .policies import Policy, policies
 
 Ranks = list[list[ComputeItem]]
@@ -57,10 +57,6 @@ def prefix_before(ranks: Ranks, replay: Replay, t: float) -> Ranks:
     return [[item for item, (start, _) in zip(ops, replay.times(r)) if start < t] for r, ops in enumerate(ranks)]
 
 
-def _within(ev: tuple[float, list[float], list[int]] | None, limits: list[int]) -> bool:
-    return ev is not None and all(peak <= lim for peak, lim in zip(ev[2], limits))
-
-
 def relist_cooldown(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
                     cuts: tuple[float, ...] = COOLDOWN_CUTS,
                     deadline: float | None = None) -> tuple[Ranks, float] | None:
@@ -68,12 +64,11 @@ def relist_cooldown(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
     list-scheduled again, its gaps closed; (order, makespan), or None if ``ranks`` does not run within
     ``limits``. Never worse than ``ranks``. Past ``deadline`` (``time.perf_counter``) no more walks start.
     """
-    sched = Schedule("auto", layout.P, layout.M, layout.placement, layout.microbatch_chain, ranks)
     try:
-        replay = Replay(sched, costs)
+        replay = replay_order(layout, costs, ranks, "relist_cooldown")
     except ScheduleError:
         return None
-    if any(peak > lim for peak, lim in zip(replay.peak_activations, limits)):
+    if not fits(replay.peak_activations, limits):
         return None
     sc = costs.per_stage(layout.S)
     table = OpTable(layout.placement, layout.M, sc)
@@ -86,7 +81,7 @@ def relist_cooldown(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
                 break
             got = list_schedule(layout, sc, limits, pol, None, 0.0, table, prefix)
             ev = evaluate(layout, costs, got) if got is not None else None
-            if not _within(ev, limits):
+            if ev is None or not fits(ev[2], limits):
                 continue
             key = (ev[0], sum(ev[1]))
             if key < best[0]:
@@ -131,7 +126,7 @@ def pair_strays(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
             cand = list(ranks)
             cand[r] = ops
             ev = evaluate(layout, costs, cand)
-            if _within(ev, limits) and ev[0] <= makespan + 1e-9:
+            if ev is not None and fits(ev[2], limits) and ev[0] <= makespan + 1e-9:
                 scored.append(((ev[0], sum(ev[1])), len(scored), cand))
     scored.sort(key=lambda x: x[:2])
     best = None

@@ -67,6 +67,7 @@ from .local import (
     Move,
     anneal,
     close_gaps,
+    fits,
     in_microbatch_order,
     local_search,
     sink_ws,
@@ -189,7 +190,7 @@ class Search:
             res = run_schedule(self.make(ranks), self.costs, record=False)
         except ScheduleError:
             return None
-        if any(p > lim for p, lim in zip(res.peak_activations, self.limits)):
+        if not fits(res.peak_activations, self.limits):
             return None
         return res.makespan, max(res.peak_activations)
 
