@@ -80,6 +80,7 @@ from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
     stage_weights,
 )
 from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
 from mt_dualpipe.runtime.data_parallel import DP_MODES  # noqa: E402
 
@@ -810,7 +811,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     init = f"tcp://127.0.0.1:{_free_port()}"
     world = args.pp * args.dp * args.ep
-    torch.multiprocessing.spawn(run_rank, args=(world, args, init), nprocs=world, join=True)
+    spawn_local_ranks(run_rank, world, (world, args, init))  # forked from a server that imported torch once
     return 0
 
 

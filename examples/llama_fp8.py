@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mt_dualpipe import Pipeline  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
 from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank, sync_replicas  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules.registry import build_schedule  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     with torch.multiprocessing.Manager() as manager:
         out = manager.dict()
-        torch.multiprocessing.spawn(run_rank, args=(args.ranks, args, init, out), nprocs=args.ranks, join=True)
+        spawn_local_ranks(run_rank, args.ranks, (args.ranks, args, init, out))
         runs = dict(out)
     report(args, runs)
     return 0

@@ -12,11 +12,11 @@ import socket
 from collections.abc import Callable
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mt_dualpipe import WeightGradStore
+from mt_dualpipe.parallel.local_ranks import spawn_local_ranks
 from mt_dualpipe.runtime import run_backward
 
 
@@ -106,4 +106,4 @@ def spawn(fn: Callable, ranks: int, *args) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(fn, args=(ranks, port, *args), nprocs=ranks)
+    spawn_local_ranks(fn, ranks, (ranks, port, *args))

@@ -27,6 +27,9 @@ def test_ranks_see_the_environment_of_the_test_and_start_fresh(monkeypatch):
 
 
 def _exit_with_env(rank: int, world: int) -> None:
+    # both ranks past the group's set-up first: rank 0 serves the rendezvous store, and leaving while
+    # rank 1 still connects would kill rank 1 (exit 1) instead of letting it report its own code
+    torch.distributed.barrier()
     os._exit(7 if os.environ.get("MT_DUALPIPE_HELPER_PROBE") == "launch" else 3)
 
 
