@@ -1,5 +1,5 @@
 """The DeepSeek-V3 example end to end: short runs spawn their ranks, train and write the summary
-(--no-rewind, --fp8); a rerun with --checkpoint-dir resumes; a NaN injected at one step is rewound
+(--fp8 under Rewind with a checkpoint; --no-rewind on real text); a rerun with --checkpoint-dir resumes; a NaN injected at one step is rewound
 and its batch skipped, and the steps before it match the clean run bit for bit; with expert
 parallelism an exception on one rank is rewound too (the EP all-to-all times out, the groups are rebuilt)."""
 
@@ -32,20 +32,32 @@ def run_example(*args: str, summary: Path) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> tuple[dict, dict, str]:
-    """Three steps under Rewind with a checkpoint every 3 steps, then a rerun to step 5 that resumes from it:
+def first_run(tmp_path_factory) -> tuple[dict, str, Path, Path]:
+    """Three FP8 steps under Rewind with a checkpoint every 3 steps and a timeline:
+    (summary, stdout, timeline file, checkpoint folder). One run serves the summary, FP8 and timeline checks
+    and is the start of the resumed run below."""
+    tmp = tmp_path_factory.mktemp("first")
+    data, out = run_example("--steps", "3", "--fp8", *_checkpoints(tmp / "ckpt"), "--timeline", str(tmp / "t.json"),
+                            summary=tmp / "a.json")
+    return data, out, tmp / "t.json", tmp / "ckpt"
+
+
+def _checkpoints(folder: Path) -> list[str]:
+    return ["--snapshot-every", "3", "--checkpoint-dir", str(folder)]
+
+
+@pytest.fixture(scope="module")
+def resumed(first_run, tmp_path_factory) -> tuple[dict, dict, str]:
+    """The first run, then a rerun to step 5 that resumes from its checkpoint:
     (first run's summary, rerun's summary, rerun's stdout). The reference for the rewound run."""
-    tmp = tmp_path_factory.mktemp("resume")
-    ckpt = ["--snapshot-every", "3", "--checkpoint-dir", str(tmp / "ckpt")]
-    first, _ = run_example("--steps", "3", *ckpt, summary=tmp / "a.json")
-    again, out = run_example("--steps", "5", *ckpt, summary=tmp / "b.json")
+    first, _, _, ckpt = first_run
+    again, out = run_example("--steps", "5", "--fp8", *_checkpoints(ckpt),
+                             summary=tmp_path_factory.mktemp("again") / "b.json")
     return first, again, out
 
 
-def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
-    timeline = tmp_path / "timeline.json"
-    data, out = run_example("--steps", "3", "--no-rewind", "--fp8", "--timeline", str(timeline),
-                            summary=tmp_path / "s.json")
+def test_example_writes_summary_timeline_and_fp8_line(first_run):
+    data, out, timeline, _ = first_run
     assert data["schedule"] == "dualpipe" and data["ranks"] == 2 and data["microbatches"] == 4
     # DualPipe ranks carry equal loads whatever the layout; the balanced default then evens the stages:
     # three blocks before the last stage's block + head + MTP + losses, not two
@@ -56,7 +68,7 @@ def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
     assert all(v >= 0.0 for v in data["expert_load_max_violation"])
     assert data["tokens_per_s"] > 0
     assert 0.0 <= data["bubble_rate"]["measured"] < 1.0 and data["bubble_rate"]["simulated"] is not None
-    assert data["rewind"] is False and data["snapshot_every"] is None
+    assert data["rewind"] is True and data["snapshot_every"] == 3
     assert data["rewinds"] == 0 and data["skipped_batches"] == [] and data["faults"] == []
     # the FP8 backend line: printed once (rank 0), recorded in the summary
     assert data["fp8"] is True and data["fp8_backend"].startswith("fp8 backend on cpu: ")
@@ -65,7 +77,7 @@ def test_example_writes_summary_and_timeline_without_rewind(tmp_path):
     # the start line: schedule, ranks, micro-batches, layout, parameters per rank
     first, second = out.splitlines()[:2]
     assert first.startswith("dualpipe · 2 ranks · 4 micro-batches of 1x16 tokens · layout Et*3|tmL · params/rank ")
-    assert first.endswith("rewind: off")
+    assert first.endswith("rewind: snapshot every 3 steps")
     s0, s1 = (f"{100 * c:.0f} %" for c in data["modelled_cost_per_stage"])
     assert second == f"modelled cost per stage: s0 Et*3 {s0} · s1 tmL {s1} · per rank: 50 % / 50 %"
     events = json.loads(timeline.read_text())["events"]
@@ -91,7 +103,8 @@ def test_rerun_with_checkpoint_dir_resumes(resumed):
 
 @pytest.mark.slow  # NaN rewinds by default: tests/resilience/test_resilience_dist.py, test_rewind_mesh.py
 def test_inject_nan_rewinds_once_and_skips_the_batch(tmp_path, resumed):
-    data, out = run_example("--steps", "5", "--snapshot-every", "3", "--inject-nan", "4", summary=tmp_path / "s.json")
+    data, out = run_example("--steps", "5", "--fp8", "--snapshot-every", "3", "--inject-nan", "4",
+                            summary=tmp_path / "s.json")
     assert data["rewinds"] == 1 and data["skipped_batches"] == [4]
     (fault,) = data["faults"]
     assert (fault["step"], fault["position"], fault["rewound_to"], fault["skipped"]) == (4, 4, 3, True)
@@ -137,6 +150,8 @@ def test_real_text_with_a_bpe_tokenizer_reports_held_out_loss(tmp_path):
                             "train_sequences": packed.num_train, "held_out_sequences": packed.num_val,
                             "val_every": 10}
     assert data["config"]["vocab_size"] == 300
+    assert data["rewind"] is False and data["snapshot_every"] is None and data["fp8"] is False
+    assert out.splitlines()[0].endswith("rewind: off")
     before, after = data["val_loss"]
     assert abs(before - math.log(300)) < 0.3 and after < before - 0.5
     assert re.search(rf"validation loss \(before → after\) +│ +{before:.3f} → {after:.3f}", out)
