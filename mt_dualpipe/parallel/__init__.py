@@ -8,6 +8,8 @@
 * ``zero``: ``ZeroOptimizer`` — ZeRO-1 sharded optimizer state over a ``GradSync("zero1")``;
 * ``fsdp``: ``FSDPStageSync`` — FSDP2 stages kept unsharded through a split-backward step;
 * ``checkpoint``: DCP save/load of ZeRO-1 state, reshardable across data-parallel sizes;
+* ``local_ranks``: ``spawn_local_ranks`` — a development run's ranks on one machine, forked from a
+  server that imported torch once (what the examples launch with);
 * ``tensor_parallel``: ``parallelize_llama_stage`` — a Llama stage's attention and SwiGLU split
   column-/row-wise over the mesh's tp dimension with ``torch.distributed.tensor.parallel``.
 
@@ -34,6 +36,7 @@ _LAZY = {
     "TiedSync": "grad_sync",
     "stage_params": "grad_sync",
     "ShardLayout": "layout",
+    "spawn_local_ranks": "local_ranks",
     "DIMS": "mesh",
     "ParallelDims": "mesh",
     "SyncGroup": "mesh",

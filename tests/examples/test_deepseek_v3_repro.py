@@ -1,7 +1,8 @@
 """The DeepSeek-V3 example end to end: short runs spawn their ranks, train and write the summary
-(--fp8 under Rewind with a checkpoint; --no-rewind on real text); a rerun with --checkpoint-dir resumes; a NaN injected at one step is rewound
-and its batch skipped, and the steps before it match the clean run bit for bit; with expert
-parallelism an exception on one rank is rewound too (the EP all-to-all times out, the groups are rebuilt)."""
+(--fp8 under Rewind with a checkpoint; --no-rewind on real text); a rerun with --checkpoint-dir
+resumes; a NaN injected at one step is rewound and its batch skipped, and the steps before it match
+the clean run bit for bit; with expert parallelism an exception on one rank is rewound too (the EP
+all-to-all times out, the groups are rebuilt)."""
 
 from __future__ import annotations
 
