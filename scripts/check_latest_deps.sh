@@ -31,8 +31,10 @@ trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install -q --upgrade pip
-"$py" -m pip install -q "torch==2.13.0"
-"$py" -m pip install -q --upgrade --upgrade-strategy eager -e ".[test,dev]"
+# torch stays at the CPU build: an eager upgrade would take a newer, multi-GB CUDA build
+echo "torch==2.13.0" > "$work/torch.txt"
+"$py" -m pip install -q -c "$work/torch.txt" "torch==2.13.0"
+"$py" -m pip install -q -c "$work/torch.txt" --upgrade --upgrade-strategy eager -e ".[test,dev]"
 echo "newest releases against $CONSTRAINTS:"
 "$py" -m pip freeze --exclude-editable | "$py" scripts/compare_pins.py "$CONSTRAINTS"
 
