@@ -106,4 +106,6 @@ def spawn(fn: Callable, ranks: int, *args) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    spawn_local_ranks(fn, ranks, (ranks, port, *args))
+    # no optimizer, no DTensor here: the ranks need torch.distributed and the runtime only (preloading the
+    # default's torch._dynamo would cost ~2 s of CPU that no rank would have paid)
+    spawn_local_ranks(fn, ranks, (ranks, port, *args), preload=("torch", "torch.distributed", "mt_dualpipe.runtime"))
