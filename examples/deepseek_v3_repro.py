@@ -62,7 +62,6 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
     DeepSeekV3Model,
     criterion_for,
-    expert_parallel,
     fresh_mesh_group,
     max_violation,
     parse_layout,
@@ -71,7 +70,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     update_expert_bias,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers  # noqa: E402
+from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers, set_ep_group, set_timeout  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
     LayoutCost,
     balance,
@@ -81,8 +80,8 @@ from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
 )
 from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer  # noqa: E402
 from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.stage_sync import DP_MODES  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
-from mt_dualpipe.runtime.data_parallel import DP_MODES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="expert-parallel size: each pipeline rank's routed experts are sharded over --ep ranks,\n"
                         "which also run different data (a second data-parallel axis for the dense weights);\n"
                         "--pp x --dp x --ep processes in all (default 1)")
-    p.add_argument("--dp-mode", default="allreduce", choices=DP_MODES,
+    p.add_argument("--dp-mode", default="allreduce", choices=list(DP_MODES),
                    help="how the data-parallel gradient sync runs: allreduce (every rank keeps the full AdamW\n"
                         "state) or zero1 (reduce-scatter, AdamW state sharded over the replicas), default allreduce;\n"
                         "fsdp is refused for DeepSeek-V3 (experts and dense weights reduce over different groups)")
@@ -196,9 +195,10 @@ def check_mesh_args(args: argparse.Namespace, error) -> None:
             error(f"torchrun started {world} processes, not a multiple of --dp x --ep = {args.dp} x {args.ep}")
         args.pp = world // (args.dp * args.ep)
     args.ranks = args.pp  # the older name, kept in the summary
-    if args.dp_mode == "fsdp":
-        error("--dp-mode fsdp is not supported for DeepSeek-V3 stages: routed experts reduce over dp and the "
-              "other weights over dp x ep, which one fully_shard mesh cannot express; use allreduce or zero1")
+    if DP_MODES[args.dp_mode].needs_fully_shard:
+        able = " or ".join(m for m, spec in DP_MODES.items() if not spec.needs_fully_shard)
+        error(f"--dp-mode {args.dp_mode} is not supported for DeepSeek-V3 stages: routed experts reduce over dp and "
+              f"the other weights over dp x ep, which one fully_shard mesh cannot express; use {able}")
     if args.virtual_stages is not None and args.schedule != "interleaved-1f1b":
         error(f"--virtual-stages is an option of interleaved-1f1b, not of {args.schedule!r}")
     if not args.from_pretrained:  # a checkpoint's expert count is checked when its stages are built
@@ -300,7 +300,7 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
                 convert_to_fp8(m)
         device = next(mods[0].parameters()).device
         fp8_backend, fp8_gemm = backend_summary(device), resolve_gemm(device)[0]
-    expert_parallel.set_timeout(mods, args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
+    set_timeout(mods, args.timeout)  # the expert all-to-all waits: the same bound as the p2p ones
     pipe = make_pipeline(args, mods, sched, dims)
     opt = make_optimizer(args, pipe, mods)
     pipe.record_activation_bytes = True  # the runtime's peak of saved-activation bytes per step (--recompute)
@@ -476,7 +476,7 @@ def make_stepper(args: argparse.Namespace, run: RankSetup, rank: int, world: int
         faults.raise_in(rank=world - 1, step=args.inject_error)  # InjectedFault after that module's forward
     def rebuild(old):  # every rank creates every pp (and EP) group again, in the same order: on gloo a timed-out
         if args.ep > 1:  # wait closes its pair, and a timed-out all-to-all leaves its EP group out of step
-            expert_parallel.set_ep_group(run.mods, fresh_mesh_group(run.dims, "ep"))
+            set_ep_group(run.mods, fresh_mesh_group(run.dims, "ep"))
         new = rebuild_pipeline(old, group=fresh_mesh_group(run.dims, "pp"))
         run.opt.rebind(new)  # Rewind restores the snapshot's optimizer state into it next
         return new

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from ..schedules.errors import ScheduleError
+
 _COMMAND_MODULES = ("schedule_cmds", "render_cmd", "plan_cmd")
 
 
@@ -27,8 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    from ..schedules.errors import ScheduleError
-
     try:
         return int(args.func(args) or 0)
     except ScheduleError as exc:

@@ -6,6 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from ..planner import ModelSpec, plan
+from ..planner.report import print_plan
+from ..planner.runnable import ZERO_STAGES, demo_command, launch, zero_from_config
+from ..planner.system import load_system, parse_size_gb
 from ..schedules.errors import ScheduleError
 
 
@@ -30,7 +34,8 @@ def register(subparsers) -> None:
                     "'launch' with pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute in the runtime's "
                     "terms, and 'command', a command line running that layout in miniature in "
                     "examples/deepseek_v3_repro.py): today it runs recompute none, selective and full, dp_mode "
-                    "allreduce (--zero 0) or zero1 (--zero 1), tp 1. Unrunnable ones are marked, not hidden, unless "
+                    "allreduce (--zero 0), zero1 (--zero 1) or fsdp (--zero 3, without expert parallelism or "
+                    "weights tied across stages), tp 1. Unrunnable ones are marked, not hidden, unless "
                     "--runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
                    "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
@@ -56,7 +61,8 @@ def register(subparsers) -> None:
                         "policy to DeepSeek-V3 and Llama stages)")
     p.add_argument("--runnable-only", action="store_true",
                    help="rank only configurations the runtime can launch (default: rank all, mark the others)")
-    p.add_argument("--zero", type=int, choices=(0, 1), default=1, help="ZeRO stage for the optimizer state")
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=1,
+                   help="ZeRO stage: 0 all-reduce, 1 optimizer state sharded (zero1), 3 fully_shard (fsdp); default 1")
     p.add_argument("--auto", type=int, default=0, metavar="N", help="also search the auto schedule for the N best "
                    "layouts (a few seconds each)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -65,8 +71,6 @@ def register(subparsers) -> None:
 
 
 def _system(args: argparse.Namespace):
-    from ..planner.system import load_system, parse_size_gb
-
     system = load_system(args.system)
     changes: dict = {}
     if args.gpu_memory is not None:
@@ -108,7 +112,10 @@ def strategy_options(path: str | None) -> dict:
     if "seq_len" in data:
         out["seq_len"] = int(data["seq_len"])
     if "zero_state" in data:
-        out["zero"] = min(1, int(data["zero_state"]))
+        try:
+            out["zero"] = zero_from_config(data["zero_state"])
+        except ValueError as exc:
+            raise ScheduleError(f"strategy JSON {path!r}: {exc}") from None
     if data.get("dtype") in ("bf16", "fp8"):
         out["dtype"] = data["dtype"]
     if "enable_recompute" in data:
@@ -119,8 +126,6 @@ def strategy_options(path: str | None) -> dict:
 def with_commands(data: dict) -> dict:
     """The plan's JSON with ``"command"`` next to every configuration's ``"launch"``: the demo's command line
     for a runnable one (``planner.runnable.demo_command``), None for one the runtime cannot launch."""
-    from ..planner.runnable import demo_command
-
     entries = data["configurations"] + data["over_memory"] + ([data["reference"]] if data.get("reference") else [])
     for entry in entries:
         entry["command"] = demo_command(entry["launch"]) if entry["runnable"] else None
@@ -129,8 +134,6 @@ def with_commands(data: dict) -> dict:
 
 def best_command(result) -> str | None:
     """The demo command of the fastest runnable configuration that fits, if any."""
-    from ..planner.runnable import demo_command, launch
-
     for est in result.ranked:
         if est.runnable:
             return demo_command(launch(est.strategy))
@@ -138,9 +141,6 @@ def best_command(result) -> str | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..planner import ModelSpec, plan
-    from ..planner.report import print_plan
-
     model = ModelSpec.load(args.model)
     system = _system(args)
     options = strategy_options(args.strategy)

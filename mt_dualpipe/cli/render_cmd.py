@@ -16,10 +16,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from rich.console import Console
+
 from ..schedules import Costs, ScheduleError, build_schedule, schedule_info, simulate
 from ..schedules.ir import Schedule
 from ..schedules.simulate import SimResult
 from ..schedules.timeline import Timeline
+from ..visualize import GraphvizNotFound, costs_from_timeline, dependency_graph, render_file, terminal_view
+from ..visualize.terminal import plain_width
 from .schedule_cmds import add_dp_sync_args, with_dp_sync
 
 
@@ -64,11 +68,6 @@ def _load_timeline(path: str) -> Timeline:
 def _print_terminal(args: argparse.Namespace, timeline: Timeline, against: Timeline | None,
                     metrics: SimResult | None) -> None:
     """The terminal view; plain text (no colour, wide enough for each op's text) into a file or pipe."""
-    from rich.console import Console
-
-    from ..visualize import terminal_view
-    from ..visualize.terminal import plain_width
-
     console = Console(width=args.width) if args.width else Console()
     plain = args.plain or not console.is_terminal or console.no_color
     width = args.width
@@ -81,8 +80,6 @@ def _print_terminal(args: argparse.Namespace, timeline: Timeline, against: Timel
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from ..visualize import GraphvizNotFound, costs_from_timeline, dependency_graph, render_file
-
     _check(args)
     schedule = against = metrics = None
     try:

@@ -24,7 +24,9 @@ from ..schedules import (
 from ..schedules.ir import Op, Schedule
 from ..schedules.ops import OpKind, parts
 from ..schedules.simulate import SimResult
+from ..visualize import ComparisonEntry, render_comparison, terminal_view
 from ..visualize.style import CODES, reduce_label
+from ..visualize.terminal import plain_width
 
 # colours shared with the terminal diagrams: forward green, input-grad orange, weight-grad blue
 OP_STYLE = {OpKind.F: "bold black on green3", OpKind.B: "bold black on orange1", OpKind.W: "bold white on blue3",
@@ -183,8 +185,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     console.print("[bold]order per rank[/] (F forward, B input-grad, W weight-grad, b full backward, F3|b5 F&B "
                   f"pair; /s5: the op's stage, where a rank runs two{reduce_note}):")
     console.print(op_grid(schedule))
-    from ..visualize import terminal_view
-    from ..visualize.terminal import plain_width
 
     timeline = result.to_timeline()
     view = terminal_view(timeline, title=f"{schedule.name} timeline", metrics=result, plain=plain,
@@ -331,8 +331,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
                       "W/BW (overlapping the rest of the drain); sync at end: the same reductions after the step; "
                       "exposed: how much later the overlapped step ends than its compute.")
     if args.output:
-        from ..visualize import ComparisonEntry, render_comparison
-
         best = min(r.result.makespan for r in built)
         entries = [ComparisonEntry(r.label, r.result, r.fraction, r.result.makespan == best) for r in built]
         notes = f"★ lowest makespan · {PEAK_UNIT}"

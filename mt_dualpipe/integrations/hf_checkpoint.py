@@ -33,6 +33,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .fp8.convert import convert_to_fp8
+from .fp8.linear import FP8Linear
+from .fp8.quantize import QTensor, dequantize, quantize_blocks
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
@@ -164,8 +168,6 @@ class Checkpoint:
 
 def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data`` (E4M3) times its per-128×128-block ``scale_inv``, as ``dtype``."""
-    from .fp8.quantize import QTensor, dequantize
-
     return dequantize(QTensor(data, scale_inv.float(), "block")).to(dtype)
 
 
@@ -232,8 +234,6 @@ def load_module(module: nn.Module, checkpoint: Checkpoint | str | os.PathLike, t
 
 
 def _assign_fp8(module: nn.Module, key: str, target: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
-    from .fp8.linear import FP8Linear
-
     owner = _owner(module, key)
     if isinstance(owner, FP8Linear) and key.endswith("weight"):
         owner.load_quantized(data, scale)
@@ -254,8 +254,6 @@ def build_on_meta(factory: Callable[[], nn.Module], *, dtype: torch.dtype | None
         module.to(dtype)
     materialize(module, device)
     if fp8:
-        from .fp8 import convert_to_fp8
-
         convert_to_fp8(module)
     return module
 
@@ -291,8 +289,6 @@ def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
 
 # ----- saving ------------------------------------------------------------------------------------------
 def _fp8_pairs(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    from .fp8.quantize import quantize_blocks
-
     q = quantize_blocks(tensor.detach().float())
     return [(name, q.data), (name + SCALE_SUFFIX, q.scale)]
 

@@ -33,7 +33,7 @@ import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -97,47 +97,31 @@ def _track_inputs(recorder: ActivationBytes, module: nn.Module, args: tuple) -> 
                 recorder.recomputed(a)
 
 
-def _deepseek_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
-    from .deepseek_v3.model import Block
-    from .deepseek_v3.moe import MoE
+@runtime_checkable
+class DeclaresRecompute(Protocol):
+    """A layer that names its own recompute regions: ``(module, method name, tag)`` per policy.
 
-    for block in (m for m in stage.modules() if isinstance(m, Block)):
-        if policy == "selective":
-            yield block.attn, "attend", "latent_attention"
-        elif not isinstance(block.ffn, MoE):
-            yield block, "forward", "block"
-        else:
-            yield block, "attention", "attention"
-            for expert in block.ffn.experts.values():
-                yield expert, "forward", "expert"
-            if block.ffn.shared_experts is not None:
-                yield block.ffn.shared_experts, "forward", "shared_expert"
+    Each model family's layer class implements it (DeepSeek-V3's ``Block``, Llama's
+    ``LlamaDecoderLayer``), so this module knows no family and a new family needs no case here.
+    """
 
-
-def _llama_targets(stage: nn.Module, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
-    from .llama.model import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
-    for m in stage.modules():
-        if policy == "full" and isinstance(m, LlamaDecoderLayer):
-            yield m, "forward", "layer"
-        elif policy == "selective" and isinstance(m, LlamaAttention):
-            yield m, "core", "core_attention"
-        elif policy == "selective" and isinstance(m, LlamaMLP):
-            yield m, "act", "swiglu"
+    def recompute_regions(self, policy: str) -> Iterable[tuple[nn.Module, str, str]]:
+        ...
 
 
 def apply_recompute(stage: nn.Module, policy: str) -> Counter:
-    """Apply ``policy`` to a DeepSeek-V3 or Llama stage (or whole model) in place; returns the counter of
-    region runs, also kept as ``stage.recompute_calls``."""
+    """Apply ``policy`` in place to every layer of ``stage`` (a stage or a whole model) that declares its
+    regions (``DeclaresRecompute``); returns the counter of region runs, also kept as ``stage.recompute_calls``."""
     check_policy(policy)
     counts: Counter = Counter()
     stage.recompute_policy = policy
     stage.recompute_calls = counts
     if policy == "none":
         return counts
-    targets = list(_deepseek_targets(stage, policy)) + list(_llama_targets(stage, policy))
+    targets = [t for m in stage.modules() if isinstance(m, DeclaresRecompute) for t in m.recompute_regions(policy)]
     if not targets:
-        raise ValueError(f"recompute policy {policy!r}: {type(stage).__name__} has no DeepSeek-V3 or Llama layer")
+        raise ValueError(f"recompute policy {policy!r}: {type(stage).__name__} has no layer that declares recompute "
+                         "regions (recompute_regions(policy), as DeepSeek-V3's Block and Llama's decoder layer do)")
     for module, name, tag in targets:
         recompute_method(module, name, counts, tag)
     return counts

@@ -56,7 +56,7 @@ class FileTokenizer:
     """A ``tokenizer.json`` loaded with the ``tokenizers`` library."""
 
     def __init__(self, path: Path) -> None:
-        try:
+        try:  # lazy: tokenizers is the optional 'text' extra, needed only for a tokenizer.json
             from tokenizers import Tokenizer as _HFTokenizer
         except ImportError as exc:  # pragma: no cover - the text extra is not installed
             raise ImportError("--tokenizer needs the 'tokenizers' package: pip install 'mt_dualpipe[text]'") from exc

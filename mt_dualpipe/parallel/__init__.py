@@ -1,5 +1,9 @@
 """Hybrid parallelism around the pipeline: one pp x dp x ep x tp mesh and data-parallel gradient sync.
 
+* ``device``: ``backend_for`` — gloo on cpu, NCCL on cuda, MCCL on musa (``torch_musa`` when installed);
+* ``modes``: ``DP_MODES``, the data-parallel modes and what each runs with (one table, no torch);
+* ``stage_sync``: ``StageGradSync``, the contract every gradient sync implements (the executor,
+  the optimizer and resilience ask only it);
 * ``mesh``: ``init_parallel(pp, dp, ep, tp)`` -> ``ParallelDims`` (groups, sub-meshes, the dense and
   expert gradient groups, mirrored-stage groups for DualPipe);
 * ``grad_sync``: ``GradSync`` — bucketed asynchronous all-reduce / reduce-scatter of a stage's
@@ -7,7 +11,8 @@
 * ``weight_kinds``: ``set_weight_kind`` / ``weight_kind`` — "expert" (sharded over ep) or "dense";
 * ``zero``: ``ZeroOptimizer`` — ZeRO-1 sharded optimizer state over a ``GradSync("zero1")``;
 * ``fsdp``: ``FSDPStageSync`` — FSDP2 stages kept unsharded through a split-backward step;
-* ``checkpoint``: DCP save/load of ZeRO-1 state, reshardable across data-parallel sizes;
+* ``zero_state`` / ``checkpoint``: ZeRO-1 state as FQN-named DTensors, and its DCP save/load,
+  reshardable across data-parallel sizes;
 * ``local_ranks``: ``spawn_local_ranks`` — a development run's ranks on one machine, forked from a
   server that imported torch once (what the examples launch with);
 * ``tensor_parallel``: ``parallelize_llama_stage`` — a Llama stage's attention and SwiGLU split
@@ -27,6 +32,8 @@ _LAZY = {
     "load_zero_state_dict": "checkpoint",
     "save_training_state": "checkpoint",
     "zero_state_dict": "checkpoint",
+    "BACKENDS": "device",
+    "backend_for": "device",
     "FSDPStageSync": "fsdp",
     "fsdp_modules": "fsdp",
     "DEFAULT_BUCKET_BYTES": "grad_sync",
@@ -42,6 +49,14 @@ _LAZY = {
     "SyncGroup": "mesh",
     "default_device_type": "mesh",
     "init_parallel": "mesh",
+    "DP_MODES": "modes",
+    "DataParallelMode": "modes",
+    "GroupUse": "stage_sync",
+    "RetakesParameters": "stage_sync",
+    "StageGradSync": "stage_sync",
+    "SyncInfo": "stage_sync",
+    "get_mode": "modes",
+    "mode_for_zero_stage": "modes",
     "full_parameters": "tensor_parallel",
     "llama_tp_plan": "tensor_parallel",
     "parallelize_llama_stage": "tensor_parallel",

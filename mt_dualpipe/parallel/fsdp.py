@@ -35,14 +35,16 @@ traffic, on mirrored stages only).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from .grad_sync import DEFAULT_BUCKET_BYTES
-from .layout import ShardLayout
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout
+from .stage_sync import GroupUse, SyncInfo, group_ranks
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -53,10 +55,13 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 
 class FSDPStageSync:
-    """Unshard-for-the-step / reduce-after-last-W driver of one ``fully_shard``-wrapped stage module."""
+    """Unshard-for-the-step / reduce-after-last-W driver of one ``fully_shard``-wrapped stage module
+    (dp mode ``"fsdp"``; implements ``stage_sync.StageGradSync``)."""
+
+    mode = "fsdp"
 
     def __init__(self, module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, key: tuple[Hashable, ...] = ("fsdp",)):
         if not isinstance(module, FSDPModule):
             raise TypeError(f"FSDPStageSync needs a module wrapped with fully_shard, got {type(module).__name__}")
         self.module = module
@@ -91,15 +96,28 @@ class FSDPStageSync:
         if self.divide_by < 1:
             raise ValueError(f"divide_by={self.divide_by} must be >= 1")
         self.bucket_bytes = bucket_bytes
+        self.key = tuple(key)  # names its group for resilience.regroup (unique within the pipeline rank)
         self._pending: tuple[ShardLayout, list[torch.Tensor], list[dist.Work]] | None = None
+        self._synced = False
         self.collectives_posted = 0
+        self.buckets = 0  # buckets of the last reduction (the layout is made from the unsharded gradients)
+
+    @property
+    def pending(self) -> bool:
+        """True between ``start()`` and ``wait()``."""
+        return self._pending is not None
+
+    @property
+    def synced(self) -> bool:
+        """True after ``wait()`` until the next step: the sharded parameters' ``.grad`` are final."""
+        return self._synced
 
     def begin_step(self) -> None:
         """Before the stage's first F of the step: keep everything unsharded until ``start()``.
 
         A reduction that a failed step left pending is abandoned (its group is replaced by
         ``resilience.regroup`` before the step is retried)."""
-        self._pending, self._fulls = None, []
+        self._pending, self._fulls, self._synced = None, [], False
         root = self.module
         root.set_reshard_after_forward(False)
         root.set_reshard_after_backward(False)
@@ -144,7 +162,9 @@ class FSDPStageSync:
         for m in self.fsdp:
             m.reshard()
         self._pending = (layout, shards, works)
+        self.buckets = len(layout.buckets)
         self._fulls = fulls  # keep the inputs alive until the collectives are done
+        self._synced = False
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -169,6 +189,7 @@ class FSDPStageSync:
                     p.grad = grad
                 else:
                     p.grad += grad
+        self._synced = True
 
     def end_step(self) -> None:
         """Give FSDP its defaults back (reshard after forward/backward, gradient sync on), e.g. for eval."""
@@ -177,3 +198,24 @@ class FSDPStageSync:
         root.set_reshard_after_backward(True)
         root.set_requires_gradient_sync(True)
         root.set_is_last_backward(True)
+
+    # ----- the rest of stage_sync.StageGradSync ----------------------------------------------------------
+    def reduced_shards(self) -> list[torch.Tensor]:
+        """Nothing: the reduced shards are the sharded parameters' own ``.grad`` (DTensors)."""
+        return []
+
+    def process_groups(self) -> list[GroupUse]:
+        """The group the reduction posts on (FSDP's own all-gathers run on the mesh it was given: a limit)."""
+        return [GroupUse(self.key, group_ranks(self.group))]
+
+    def replace_group(self, key: tuple[Hashable, ...], group: dist.ProcessGroup) -> None:
+        if tuple(key) == self.key:
+            if group_ranks(group) != group_ranks(self.group):
+                raise ValueError(f"group {self.key}: a replacement must span ranks {list(group_ranks(self.group))}, "
+                                 f"got {list(group_ranks(group))}")
+            self.group = group
+
+    def describe(self) -> SyncInfo:
+        params = dict(self.module.named_parameters())
+        numel = sum(params[n].numel() for n in self.names)
+        return SyncInfo(self.mode, len(self.names), numel, self.buckets, tuple(self.process_groups()), self.divide_by)

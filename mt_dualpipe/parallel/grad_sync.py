@@ -11,6 +11,8 @@ Modes:
 
 * ``"allreduce"``: each bucket is all-reduced; after ``wait()`` every ``p.grad`` holds the average
   over the data-parallel replicas (DDP semantics).
+* ``"allreduce_bf16"``: the same, with each bucket sent as bfloat16 (half the bytes of float32
+  gradients, what DDP's ``bf16_compress_hook`` does) and written back in the gradient's dtype.
 * ``"zero1"``: each bucket is reduce-scattered; after ``wait()`` this rank holds only its shard
   (``grad_shards``: per parameter, chunk ``rank`` of dim 0 — the local part of a ``Shard(0)``
   DTensor) and ``p.grad`` is set to None, so nothing can read an un-reduced gradient by mistake.
@@ -25,36 +27,26 @@ over the expert-data-parallel group but divide by dp x ep (see ``mesh.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .layout import ShardLayout
+from .layout import DEFAULT_BUCKET_BYTES, ShardLayout
+from .stage_sync import GroupUse, SyncInfo, get_mode, group_ranks, stage_params
 from .tensor_parallel import like_param, local_tensor
 
-MODES = ("allreduce", "zero1")
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
+MODES = ("allreduce", "zero1", "allreduce_bf16")
+"""The ``DP_MODES`` that ``GradSync`` itself runs (``fsdp`` is ``FSDPStageSync``, ``fsdp.py``)."""
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def stage_params(module: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    """The trainable parameters of a stage module (or an iterable of parameters), each once, in order."""
-    params = module.parameters() if isinstance(module, nn.Module) else module
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
 class _ReductionState:
-    """The ``idle -> started -> done`` state every sync object behind a ``REDUCE_GRAD`` keeps."""
+    """The ``idle -> started -> done`` state every sync object behind a ``REDUCE_GRAD`` keeps
+    (the ``pending`` / ``synced`` half of ``stage_sync.StageGradSync``)."""
 
     _state = "idle"
 
@@ -77,13 +69,19 @@ class GradSync(_ReductionState):
     """
 
     def __init__(self, module: nn.Module | Iterable[nn.Parameter], group: dist.ProcessGroup | None = None, *,
-                 mode: str = "allreduce", bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None):
-        if mode not in MODES:
-            raise ValueError(f"unknown data-parallel mode {mode!r}; allowed: {', '.join(MODES)}")
+                 mode: str = "allreduce", bucket_bytes: int = DEFAULT_BUCKET_BYTES, divide_by: int | None = None,
+                 key: tuple[Hashable, ...] = ("grad",)):
+        spec = get_mode(mode)
+        if spec.name not in MODES:
+            raise ValueError(f"GradSync runs modes {', '.join(MODES)}, got {mode!r}: dp mode 'fsdp' reduces "
+                             "fully_shard stages with parallel.FSDPStageSync")
+        self._scatter = spec.reduces_by == "reduce_scatter"  # else all-reduce
+        self.wire_dtype = getattr(torch, spec.wire_dtype) if spec.wire_dtype else None
         self.params = stage_params(module)
         if not self.params:
             raise ValueError("GradSync needs a module with at least one parameter that requires grad")
         self.group = group
+        self.key = tuple(key)  # names its group for resilience.regroup (unique within the pipeline rank)
         self.mode = mode
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -94,16 +92,17 @@ class GradSync(_ReductionState):
         if len(devices) != 1:
             raise ValueError(f"a stage's parameters must share one device, got {sorted(map(str, devices))}")
         self.device = devices.pop()
-        if mode == "zero1" and any(isinstance(p, DTensor) for p in self.params):
-            raise ValueError("GradSync mode 'zero1' shards plain parameters; tensor-parallel (DTensor) parameters "
+        if not spec.tensor_parallel and any(isinstance(p, DTensor) for p in self.params):
+            raise ValueError(f"GradSync mode {mode!r} shards plain parameters; tensor-parallel (DTensor) parameters "
                              "reduce with mode 'allreduce'")
         self.layout = ShardLayout([local_tensor(p) for p in self.params], self.world, bucket_bytes)  # tp: local shard
         # allreduce keeps its buckets (DDP does too); zero1 allocates them per step and frees them at
         # wait(), so between steps a rank holds only its gradient shard
         self._full = ([self.layout.new_full(b, self.device) for b in range(len(self.layout.buckets))]
-                      if mode == "allreduce" else [])
+                      if not self._scatter else [])
         self._shard = ([torch.zeros(b.shard_numel, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
-                       if mode == "zero1" else [])
+                       if self._scatter else [])
+        self._wire: list[torch.Tensor] = []  # allreduce_bf16: the buckets as sent, for the step
         self._works: list[dist.Work] = []
         self._state = "idle"  # idle -> started -> done
         self.collectives_posted = 0  # per instance, for tests and timelines
@@ -118,18 +117,20 @@ class GradSync(_ReductionState):
         """Post one asynchronous collective per bucket over the current ``.grad`` of every parameter."""
         if self._state == "started":
             raise RuntimeError("GradSync.start() called twice without wait(): one reduction per step")
-        self._works = []
-        if self.mode == "zero1":
+        self._works, self._wire = [], []
+        if self._scatter:
             self._full = [self.layout.new_full(b, self.device) for b in range(len(self.layout.buckets))]
         for b, bucket in enumerate(self.layout.buckets):
             grads = [local_tensor(self.params[s.index].grad) for s in bucket.slots]
             self.layout.pack(b, grads, self._full[b])
-            if self.mode == "allreduce":
-                self._works.append(dist.all_reduce(self._full[b], group=self.group, async_op=True))
-            else:
+            if self._scatter:
                 self._works.append(_reduce_scatter(self._shard[b], self._full[b], group=self.group, async_op=True))
+            else:
+                wire = self._full[b] if self.wire_dtype is None else self._full[b].to(self.wire_dtype)
+                self._wire.append(wire)
+                self._works.append(dist.all_reduce(wire, group=self.group, async_op=True))
             self.collectives_posted += 1
-        if self.mode == "zero1":
+        if self._scatter:
             for p in self.params:
                 p.grad = None  # the reduced gradient lives in grad_shards from now on
         self._state = "started"
@@ -142,7 +143,9 @@ class GradSync(_ReductionState):
             work.wait()
         self._works = []
         for b in range(len(self.layout.buckets)):
-            if self.mode == "allreduce":
+            if not self._scatter:
+                if self._wire[b] is not self._full[b]:  # back from the wire dtype, then averaged
+                    self._full[b].copy_(self._wire[b])
                 self._full[b].div_(self.divide_by)
                 for s, g in zip(self.layout.buckets[b].slots, self.layout.unpack(b, self._full[b])):
                     p = self.params[s.index]
@@ -152,8 +155,9 @@ class GradSync(_ReductionState):
                         local_tensor(p.grad).copy_(g)
             else:
                 self._shard[b].div_(self.divide_by)
-        if self.mode == "zero1":
+        if self._scatter:
             self._full = []
+        self._wire = []
         self._state = "done"
 
     def sync(self) -> None:
@@ -163,8 +167,8 @@ class GradSync(_ReductionState):
 
     def grad_shards(self) -> list[torch.Tensor]:
         """zero1: per parameter (in ``params`` order), this rank's reduced gradient chunk (views)."""
-        if self.mode != "zero1":
-            raise RuntimeError("grad_shards() is only defined in zero1 mode")
+        if not self._scatter:
+            raise RuntimeError(f"grad_shards() is only defined in a reduce-scatter mode (zero1), not {self.mode!r}")
         return self.shard_views(self._shard)
 
     def shard_views(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -178,6 +182,32 @@ class GradSync(_ReductionState):
     def new_shards(self) -> list[torch.Tensor]:
         """Zeroed per-bucket ``(S,)`` buffers shaped like this rank's shard of every bucket."""
         return [torch.zeros(b.shard_numel, dtype=b.dtype, device=self.device) for b in self.layout.buckets]
+
+    # ----- the rest of stage_sync.StageGradSync --------------------------------------------------------
+    def reduced_shards(self) -> list[torch.Tensor]:
+        """zero1 after ``wait()``: this rank's reduced chunks (``.grad`` is None then); else nothing."""
+        if not self._scatter or not self.synced:
+            return []
+        return [g for g in self.grad_shards() if g is not None]
+
+    def process_groups(self) -> list[GroupUse]:
+        return [GroupUse(self.key, group_ranks(self.group))]
+
+    def replace_group(self, key: tuple[Hashable, ...], group: dist.ProcessGroup) -> None:
+        if tuple(key) == self.key:
+            _check_same_ranks(self.group, group, self.key)
+            self.group = group
+
+    def describe(self) -> SyncInfo:
+        return SyncInfo(self.mode, len(self.params), sum(p.numel() for p in self.params), len(self.layout.buckets),
+                        tuple(self.process_groups()), self.divide_by)
+
+
+def _check_same_ranks(old: dist.ProcessGroup | None, new: dist.ProcessGroup, key: tuple) -> None:
+    """A replacement group must span the ranks of the one it replaces (rank indices and chunks depend on them)."""
+    if group_ranks(old) != group_ranks(new):
+        raise ValueError(f"group {key}: a replacement must span ranks {list(group_ranks(old))}, got "
+                         f"{list(group_ranks(new))}")
 
 
 class TiedSync(_ReductionState):
@@ -208,9 +238,10 @@ class TiedSync(_ReductionState):
             raise ValueError(f"{len(self.names)} names for {len(self.reps)} tied weights")
         self.stages = frozenset(stages)
         self.mode = mode
-        self.sync = (GradSync(self.reps, group, mode=mode, bucket_bytes=bucket_bytes, divide_by=divide_by)
-                     if group is not None else None)
-        if self.sync is None and mode != "allreduce":
+        self.sync = (GradSync(self.reps, group, mode=mode, bucket_bytes=bucket_bytes, divide_by=divide_by,
+                              key=("tie", *self.names)) if group is not None else None)
+        self._all_reduce = get_mode(mode).reduces_by == "all_reduce"
+        if self.sync is None and not self._all_reduce:
             raise ValueError(f"a tie without a group has nothing to shard: mode must be 'allreduce', got {mode!r}")
         self._arrived: set[tuple[int, int]] = set()
         self._state = "idle"
@@ -260,7 +291,7 @@ class TiedSync(_ReductionState):
             raise RuntimeError(f"TiedSync.wait() before every holder stage reached its REDUCE_GRAD; missing {missing}")
         if self.sync is not None:
             self.sync.wait()
-        if self.mode == "allreduce":
+        if self._all_reduce:
             for rep, copies in zip(self.reps, self.copies):
                 for other in copies[1:]:
                     other.grad = None if rep.grad is None else rep.grad.clone()
@@ -273,6 +304,22 @@ class TiedSync(_ReductionState):
             for other in copies[1:]:
                 other.copy_(rep)
 
+    # ----- the rest of stage_sync.StageGradSync: the representative's GradSync, when there is one -----------
+    def reduced_shards(self) -> list[torch.Tensor]:
+        return self.sync.reduced_shards() if self.sync is not None else []
+
+    def process_groups(self) -> list[GroupUse]:
+        return self.sync.process_groups() if self.sync is not None else []
+
+    def replace_group(self, key: tuple[Hashable, ...], group: dist.ProcessGroup) -> None:
+        if self.sync is not None:
+            self.sync.replace_group(key, group)
+
+    def describe(self) -> SyncInfo:
+        if self.sync is not None:
+            return self.sync.describe()
+        return SyncInfo(self.mode, len(self.reps), sum(p.numel() for p in self.reps), 0, (), 1)
+
 
 class StageSync(_ReductionState):
     """Everything one stage reduces at its REDUCE_GRAD: one ``GradSync`` per weight kind, and its ties.
@@ -284,10 +331,15 @@ class StageSync(_ReductionState):
     ``start``, ``wait``.
     """
 
-    def __init__(self, stage: tuple[int, int], parts: Sequence[GradSync] = (), ties: Sequence[TiedSync] = ()):
+    def __init__(self, stage: tuple[int, int], parts: Sequence[GradSync] = (), ties: Sequence[TiedSync] = (),
+                 mode: str | None = None):
         self.stage = stage
         self.parts = list(parts)
         self.ties = list(ties)
+        modes = {p.mode for p in self.parts} | ({mode} if mode is not None else set())
+        if len(modes) > 1:  # (a tie without replicas all-reduces locally in any mode)
+            raise ValueError(f"a stage's parts reduce in one mode, got {sorted(modes)}")
+        self.mode = modes.pop() if modes else "allreduce"
         self._state = "idle"
 
     @property
@@ -319,3 +371,23 @@ class StageSync(_ReductionState):
         for t in self.ties:
             t.wait()
         self._state = "done"
+
+    # ----- the rest of stage_sync.StageGradSync: the parts', then the ties' ------------------------------
+    def _members(self) -> list[GradSync | TiedSync]:
+        return [*self.parts, *self.ties]
+
+    def reduced_shards(self) -> list[torch.Tensor]:
+        return [g for m in self._members() for g in m.reduced_shards()]
+
+    def process_groups(self) -> list[GroupUse]:
+        return [u for m in self._members() for u in m.process_groups()]
+
+    def replace_group(self, key: tuple[Hashable, ...], group: dist.ProcessGroup) -> None:
+        for m in self._members():
+            m.replace_group(key, group)
+
+    def describe(self) -> SyncInfo:
+        infos = [p.describe() for p in self.parts]
+        return SyncInfo(self.mode, sum(i.num_params for i in infos), sum(i.numel for i in infos),
+                        sum(i.buckets for i in infos), tuple(self.process_groups()),
+                        max((i.divide_by for i in infos), default=1))

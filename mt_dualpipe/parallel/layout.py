@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket cap
+
 
 @dataclass(frozen=True)
 class Slot:

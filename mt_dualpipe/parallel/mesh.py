@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..runtime.device import BACKENDS, backend_for, try_import_musa
+from .device import BACKENDS, backend_for, try_import_musa
 from .weight_kinds import check_kind
 
 DIMS = ("pp", "dp", "ep", "tp")
@@ -78,7 +78,7 @@ def default_device_type() -> str:
 
 
 def device_type_for_backend(backend: str) -> str:
-    """The device type a backend runs on (inverse of ``runtime.device.backend_for``)."""
+    """The device type a backend runs on (inverse of ``device.backend_for``)."""
     for kind, name in BACKENDS.items():
         if name == backend:
             return kind
@@ -211,7 +211,7 @@ def init_parallel(pp: int = 1, dp: int = 1, ep: int = 1, tp: int = 1, *, backend
 
     Collective over the default process group; initialises it from the environment (torchrun) with
     ``backend`` when it is not initialised yet. ``backend=None`` picks gloo / nccl / mccl from the
-    device this process uses (``runtime.device.backend_for``); when the default group already
+    device this process uses (``device.backend_for``); when the default group already
     exists its backend must agree with ``backend``.
     """
     sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grad_sync import GradSync
+from .grad_sync import GradSync, TiedSync
+from .stage_sync import get_mode
+from .zero_state import load_zero_state_dict, zero_state_dict
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -55,7 +57,7 @@ class ZeroOptimizer:
     """
 
     def __init__(self, sync: GradSync, make_optimizer: OptimizerFactory, *, names: Sequence[str] | None = None):
-        if sync.mode != "zero1":
+        if not get_mode(sync.mode).zero_optimizer:
             raise ValueError(f"ZeroOptimizer needs a GradSync in mode 'zero1', got mode {sync.mode!r}")
         self.sync = sync
         self.params = sync.params
@@ -148,15 +150,11 @@ class ZeroOptimizer:
         """Bytes of optimizer state this rank holds."""
         return optimizer_state_bytes(self.optimizer)
 
-    # ----- checkpoints: FQN-named, Shard(0) DTensors (see checkpoint.py) -----------------------------
+    # ----- checkpoints: FQN-named, Shard(0) DTensors (see zero_state.py) -----------------------------
     def state_dict(self) -> dict[str, Any]:
-        from .checkpoint import zero_state_dict
-
         return zero_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from .checkpoint import load_zero_state_dict
-
         load_zero_state_dict(self, state)
 
 
@@ -176,15 +174,16 @@ class PipelineOptimizer:
     over its group (``checkpoint.py``), so DCP can reshard it.
     """
 
-    def __init__(self, params: Sequence[tuple[str, torch.Tensor, Any]], factory: OptimizerFactory, mode: str,
-                 ties: Sequence[Any] = ()):
+    def __init__(self, params: Sequence[tuple[str, torch.Tensor, GradSync | None]], factory: OptimizerFactory,
+                 mode: str, ties: Sequence[TiedSync] = ()):
         self.mode = mode
         self.ties = list(ties)
         self.zero: list[ZeroOptimizer] = []
-        by_sync: dict[int, tuple[Any, list[tuple[str, torch.Tensor]]]] = {}
+        zero = get_mode(mode).zero_optimizer
+        by_sync: dict[int, tuple[GradSync, list[tuple[str, torch.Tensor]]]] = {}
         plain: list[tuple[str, torch.Tensor]] = []
         for name, p, sync in params:
-            if mode == "zero1" and sync is not None:
+            if zero and sync is not None:
                 by_sync.setdefault(id(sync), (sync, []))[1].append((name, p))
             else:
                 plain.append((name, p))
@@ -220,6 +219,11 @@ class PipelineOptimizer:
             self.plain.step()
         for t in self.ties:
             t.copy_to_copies()
+
+    def refresh_shards(self) -> None:
+        """Every ZeRO-1 part re-takes its shards from the (restored) parameters (``stage_sync.RetakesParameters``)."""
+        for z in self.zero:
+            z.refresh_shards()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for z in self.zero:

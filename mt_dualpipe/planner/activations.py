@@ -53,6 +53,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schedules.errors import ScheduleError
+
 INDEX = 8.0  # int64 indices
 MASK = 1.0   # a bool
 FP8_TILE = 128
@@ -85,8 +87,6 @@ ATTENTION_KINDS = ("eager", "fused")
 def attention_kind(name: str) -> bool:
     """True for a fused (flash-style) core attention; ``ScheduleError`` for an unknown name."""
     if name not in ATTENTION_KINDS:
-        from ..schedules.errors import ScheduleError
-
         raise ScheduleError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {name!r}")
     return name == "fused"
 

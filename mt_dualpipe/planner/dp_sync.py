@@ -15,11 +15,14 @@ latency per collective):
 * a stage held by several chains (DualPipe's mirrored stages: pipeline ranks r and P-1-r hold the
   same layers) is summed over every copy in the same collective, so its groups are ``copies``
   times larger (``parallel/mesh.py``'s mirrored-stage groups);
-* ``zero = 0`` (``dp_mode="allreduce"``): one all-reduce, two passes of BF16 values (reduce-scatter
-  + all-gather), all inside the schedule; ``zero = 1`` (``dp_mode="zero1"``): the reduce-scatter
-  (one pass) is the ``REDUCE_GRAD``; the all-gather of the updated parameters comes after the
-  optimizer step and is counted as exposed (``param_gather_time``). Both modes move the same bytes
-  as the planner's former all-exposed estimate; what changes is how much of it the drain hides.
+* the mode is the runtime's for the strategy's ZeRO stage (``parallel.modes``): ``zero = 0``
+  (``allreduce``): one all-reduce, two passes of BF16 values (reduce-scatter + all-gather), all
+  inside the schedule; ``zero = 1`` (``zero1``): the reduce-scatter (one pass) is the
+  ``REDUCE_GRAD``; the all-gather of the updated parameters comes after the optimizer step and is
+  counted as exposed (``param_gather_time``); ``zero = 3`` (``fsdp``): the same reduce-scatter, but
+  a mirrored stage's copies are all-reduced (two passes: ``FSDPStageSync`` cannot hand one chunk to
+  two copies), and the parameters' all-gather runs when the next step unshards the stages, before
+  their first F — exposed as well, and counted once per step like zero1's.
 
 Ranks are laid out data-parallel innermost (``parallel/mesh.py``'s order with tp = 1), so a
 group leaves the node when ``dp`` exceeds a node; a mirrored group also spans pipeline ranks,
@@ -28,14 +31,11 @@ which share a node only when the whole ``pp x dp`` block fits in one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ..parallel.modes import mode_for_zero_stage
 from ..schedules.ir import Schedule
 from .model import Item
+from .strategy import Strategy
 from .system import SystemSpec
-
-if TYPE_CHECKING:
-    from .estimate import Strategy
 
 
 def grad_comm_bytes(strategy: Strategy) -> float:
@@ -68,10 +68,12 @@ def _stage_values(strategy: Strategy, items: list[Item]) -> tuple[float, float]:
 
 def stage_sync_times(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], schedule: Schedule
                      ) -> list[float]:
-    """``Costs.dp_sync``: seconds of each stage's ``REDUCE_GRAD`` (all-reduce, or ZeRO-1's reduce-scatter)."""
+    """``Costs.dp_sync``: seconds of each stage's ``REDUCE_GRAD`` (all-reduce, or a reduce-scatter)."""
     copies = copies_of_stage(schedule)
     link = _link(strategy, system, copies)
-    passes = 1 if strategy.zero >= 1 else 2
+    mode = mode_for_zero_stage(strategy.zero)
+    mirrored_fsdp = mode.shards_parameters and copies > 1  # all-reduced, then each copy keeps its chunk
+    passes = 1 if mode.reduces_by == "reduce_scatter" and not mirrored_fsdp else 2
     edp = max(1, strategy.dp // strategy.ep)
     out = []
     for items in stages:
@@ -83,11 +85,13 @@ def stage_sync_times(strategy: Strategy, system: SystemSpec, stages: list[list[I
 
 def param_gather_time(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], schedule: Schedule
                       ) -> float:
-    """ZeRO-1's all-gather of the updated parameters after the optimizer step (0 without ZeRO): the most
-    loaded rank's, over the same groups as the reduce-scatter; nothing in the step hides it."""
-    if strategy.zero < 1:
+    """The all-gather of the updated parameters (0 without sharding): ZeRO-1's after the optimizer step,
+    FSDP's when the next step unshards; the most loaded rank's, over the reduce-scatter's groups
+    (FSDP's over its own dp mesh: each mirrored copy gathers its own shards); nothing hides it."""
+    mode = mode_for_zero_stage(strategy.zero)
+    if not mode.shards_optimizer_state:
         return 0.0
-    copies = copies_of_stage(schedule)
+    copies = 1 if mode.shards_parameters else copies_of_stage(schedule)
     link = _link(strategy, system, copies)
     edp = max(1, strategy.dp // strategy.ep)
     worst = 0.0

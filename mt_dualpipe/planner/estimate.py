@@ -46,44 +46,13 @@ from .activations import FP8_LIN
 from .dp_sync import param_gather_time, stage_sync_times
 from .model import Item, ModelSpec
 from .runnable import launch, unrunnable_reasons
+from .strategy import AUTO, Strategy, schedule_options
 from .system import SystemSpec
 
+__all__ = ["AUTO", "GB", "Estimate", "Strategy", "activation_peak_bytes", "estimate", "schedule_options",
+           "stage_costs", "stage_items"]
+
 GB = 1e9
-AUTO = "auto"  # the searched schedule: built per strategy for its costs (its ``placement``), never cached
-
-
-@dataclass(frozen=True)
-class Strategy:
-    pp: int
-    schedule: str
-    num_microbatches: int
-    ep: int = 1
-    dp: int = 1
-    micro_batch_size: int = 1
-    seq_len: int = 4096
-    zero: int = 1
-    dtype: str = "bf16"            # "fp8": FP8 GEMMs, FP8 dispatch and FP8-cached activations (DeepSeek-V3);
-    #                                "fp32": everything in FP32 (CPU runs)
-    recompute: str = "selective"
-    virtual_stages: int = 1        # chunks per rank for interleaved-1f1b
-    layers_per_stage: tuple[int, ...] | None = None  # decoder layers per stage (default: balanced by compute)
-    placement: str = ""            # for schedule "auto": linear, v or dual
-    attention: str = "fused"       # core attention saving: "fused" (flash-style, production GPUs) or "eager"
-    #                                (the integrations' einsum core, S x S probabilities saved)
-
-    @property
-    def gpus(self) -> int:
-        return self.pp * self.dp
-
-    @property
-    def schedule_label(self) -> str:
-        if self.schedule == AUTO:
-            return f"auto/{self.placement}"
-        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-
-    def describe(self) -> str:
-        return (f"pp={self.pp} {self.schedule_label} M={self.num_microbatches} ep={self.ep} dp={self.dp} "
-                f"mbs={self.micro_batch_size}")
 
 
 @dataclass
@@ -102,6 +71,7 @@ class Estimate:
     per_rank_gb: list[float] = field(default_factory=list)  # total memory of every pipeline rank
     costs: Costs | None = field(default=None, repr=False)  # dp_sync: each stage's gradient reduction
     dp_sync_total: float = 0.0  # the sync's time with nothing hidden (the most loaded rank's)
+    tied_across_stages: bool = False  # the model ties weights across pipeline stages (MTP's embedding)
 
     @property
     def total_memory_gb(self) -> float:
@@ -110,7 +80,7 @@ class Estimate:
     @property
     def unrunnable(self) -> list[str]:
         """Why the runtime cannot launch this configuration (empty: it can)."""
-        return unrunnable_reasons(self.strategy)
+        return unrunnable_reasons(self.strategy, self.tied_across_stages)
 
     @property
     def runnable(self) -> bool:
@@ -173,15 +143,10 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
     return out
 
 
-def schedule_options(strategy: Strategy) -> dict:
-    """The build options of ``strategy``'s schedule: what its registry entry takes of the strategy's."""
-    info = schedule_info(strategy.schedule)
-    wanted: dict[str, object] = {"virtual_stages": strategy.virtual_stages}
-    if strategy.schedule == AUTO:
-        if not strategy.placement:
-            raise ScheduleError("schedule 'auto' needs a placement (Strategy.placement: linear, v or dual)")
-        wanted["placement"] = strategy.placement
-    return {k: v for k, v in wanted.items() if k in info.options}
+def ties_across_stages(model: ModelSpec, stages: int) -> bool:
+    """Whether the runtime's stages tie a weight across stages: the MTP modules on the last stage share
+    the first stage's embedding (``integrations/deepseek_v3/stages.py``, ``tied_parameters``)."""
+    return model.mtp_depth > 0 and stages > 1
 
 
 def num_stages(strategy: Strategy) -> int:
@@ -390,7 +355,7 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     fits = mem["total"] <= system.gpu_memory_gb * system.mem_factor
     return Estimate(strategy, step, timing.pipeline, step - timing.pipeline, timing.bubble_rate, mem, peak,
                     [len(g) for g in stages], mfu, fits, per_rank_gb=per_rank, costs=timing.costs,
-                    dp_sync_total=timing.total)
+                    dp_sync_total=timing.total, tied_across_stages=ties_across_stages(model, len(stages)))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from rich.console import Console
+from rich.table import Table
+
 from .model import ModelSpec
 from .runnable import short_reason
 from .search import PlanResult
@@ -18,8 +21,6 @@ def model_title(model: ModelSpec) -> str:
 
 def plan_table(result: PlanResult, top: int = 10):
     """A ``rich.table.Table`` of the ``top`` fastest configurations that fit."""
-    from rich.table import Table
-
     system = result.system
     cap = system.gpu_memory_gb * system.mem_factor
     table = Table(title=f"{model_title(result.model)} on {result.gpus} x {system.name} "
@@ -79,9 +80,7 @@ def notes(result: PlanResult, top: int = 10) -> list[str]:
     return out
 
 
-def print_plan(result: PlanResult, top: int = 10, console=None) -> None:
-    from rich.console import Console
-
+def print_plan(result: PlanResult, top: int = 10, console: Console | None = None) -> None:
     if console is None:
         console = Console()
         if console.width < 170:  # the table has 19 columns: do not squeeze it into a pipe's 80

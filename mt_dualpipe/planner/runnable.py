@@ -6,7 +6,9 @@ integrations when their stages are built (``integrations/recompute.py``), so eve
 estimates is runnable. A configuration is offered as *runnable* only when
 every knob it needs is one the runtime has; otherwise it carries the reasons, so ``mt-dualpipe
 plan`` marks it (or leaves it out with ``--runnable-only``) instead of recommending what cannot be
-launched. When the runtime gains a knob, widen the tuple here: nothing else needs to change.
+launched. The data-parallel modes and what each runs with are the runtime's own table
+(``parallel.modes.DP_MODES``): a strategy's ZeRO stage names its mode (0 allreduce, 1 zero1,
+3 fsdp), and the mode's flags decide, so ``fsdp`` is runnable exactly where the runtime runs it.
 
 ``launch(strategy)`` is the tuple a launcher needs, in the runtime's terms
 (``mt_dualpipe.parallel.init_parallel(pp, dp, ep, tp)`` and ``GradSync(mode=dp_mode)``): the
@@ -23,30 +25,39 @@ runtime's tensor-parallel stages are dense ones (the DeepSeek-V3 stages shard ex
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
+from .strategy import Strategy, schedule_options
 
-if TYPE_CHECKING:
-    from .estimate import Strategy
-
-RUNTIME_DP_MODES: tuple[str, ...] = ("allreduce", "zero1")
-"""``mt_dualpipe.parallel.MODES``: the data-parallel modes ``GradSync`` runs (a test keeps them equal)."""
 RUNTIME_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 """Recompute policies the runtime's stages apply (``integrations.recompute.POLICIES``; a test keeps them equal)."""
 RUNTIME_TP: tuple[int, ...] = (1,)
 """Tensor-parallel sizes the launch path runs (the planner models tp = 1 only)."""
 
 
+ZERO_STAGES: tuple[int, ...] = tuple(sorted({m.zero_stage for m in DP_MODES.values()}))
+"""The ZeRO stages some runtime mode runs (the CLI's ``--zero`` choices)."""
+
+
+def zero_from_config(value: int) -> int:
+    """A configuration's ZeRO stage (DeepSpeed's ``zero_optimization.stage``, a model card's ``zero_state``)
+    as the planner's: 0, 1 and 3 as they are; 2 as 1, since the runtime's zero1 already drops the full
+    gradients at the reduce-scatter and keeps only this rank's shard (ZeRO-2's saving between steps)."""
+    stage = int(value)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_state {value!r} is not a ZeRO stage; allowed: 0, 1, 2 (run as 1), 3")
+    return 1 if stage == 2 else stage
+
+
 def dp_mode(strategy: Strategy) -> str:
-    """The runtime's data-parallel mode for the strategy's ZeRO stage: ZeRO-1 shards the optimizer
-    state and reduce-scatters gradients ("zero1"); ZeRO-0 all-reduces them ("allreduce")."""
-    return "zero1" if strategy.zero >= 1 else "allreduce"
+    """The runtime's data-parallel mode for the strategy's ZeRO stage (``parallel.modes.mode_for_zero_stage``):
+    0 all-reduces ("allreduce"), 1 reduce-scatters and shards the optimizer state ("zero1"), 3 runs
+    ``fully_shard`` stages ("fsdp")."""
+    return mode_for_zero_stage(strategy.zero).name
 
 
 def launch(strategy: Strategy) -> dict:
     """The launchable tuple ``(pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute)`` in the
     runtime's terms, plus the schedule's build options and the micro-batch size."""
-    from .estimate import schedule_options
-
     return {"pp": strategy.pp, "dp": strategy.dp // strategy.ep, "ep": strategy.ep, "tp": 1,
             "schedule": strategy.schedule, "microbatches": strategy.num_microbatches,
             "dp_mode": dp_mode(strategy), "recompute": strategy.recompute,
@@ -63,8 +74,8 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
     searched ``auto`` schedule's placement)."""
     options = dict(launch.get("schedule_options") or {})
     virtual = options.pop("virtual_stages", None)
-    if launch["tp"] != 1 or options:
-        return None
+    if launch["tp"] != 1 or options or DP_MODES[launch["dp_mode"]].needs_fully_shard:
+        return None  # the demo's DeepSeek-V3 stages are not fully_shard-ed
     words = [python, DEMO, "--pp", launch["pp"], "--dp", launch["dp"], "--ep", launch["ep"],
              "--dp-mode", launch["dp_mode"], "--schedule", launch["schedule"],
              "--microbatches", launch["microbatches"], "--recompute", launch["recompute"]]
@@ -75,8 +86,9 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
     return " ".join(str(w) for w in words)
 
 
-def unrunnable_reasons(strategy: Strategy) -> list[str]:
-    """Why the runtime cannot launch ``strategy`` (empty when it can)."""
+def unrunnable_reasons(strategy: Strategy, tied: bool = False) -> list[str]:
+    """Why the runtime cannot launch ``strategy`` (empty when it can). ``tied``: the model ties weights
+    across pipeline stages (DeepSeek-V3's MTP shares the embedding of the first stage)."""
     out = []
     if strategy.recompute not in RUNTIME_RECOMPUTE:
         out.append(f"recompute {strategy.recompute!r} is not applied by the runtime's stages (runnable: "
@@ -87,8 +99,25 @@ def unrunnable_reasons(strategy: Strategy) -> list[str]:
     elif tp > 1 and getattr(strategy, "ep", 1) > 1:
         out.append(f"tp {tp} with expert parallelism is not launched: tensor-parallel stages are dense only (MoE "
                    "stages shard experts over ep, not tp)")
-    if dp_mode(strategy) not in RUNTIME_DP_MODES:
-        out.append(f"dp_mode {dp_mode(strategy)!r} is not run by the runtime (runnable: {', '.join(RUNTIME_DP_MODES)})")
+    zero = getattr(strategy, "zero", 1)
+    if zero not in ZERO_STAGES:
+        out.append(f"zero {zero} is not run by the runtime (runnable: {', '.join(map(str, ZERO_STAGES))})")
+        return out
+    out += _mode_reasons(mode_for_zero_stage(zero), getattr(strategy, "ep", 1), tied)
+    return out
+
+
+def _mode_reasons(mode: DataParallelMode, ep: int, tied: bool) -> list[str]:
+    """What the mode's row refuses (the runtime's own refusals, ``runtime/data_parallel.needs_reductions``)."""
+    out = []
+    if ep > 1 and not mode.expert_parallel:
+        able = ", ".join(m.name for m in DP_MODES.values() if m.expert_parallel)
+        out.append(f"dp_mode {mode.name!r} (zero {mode.zero_stage}) with ep {ep} is not run by the runtime "
+                   f"(with expert parallelism: {able})")
+    if tied and not mode.tied_weights:
+        able = ", ".join(m.name for m in DP_MODES.values() if m.tied_weights)
+        out.append(f"dp_mode {mode.name!r} (zero {mode.zero_stage}) cannot reduce weights tied across stages (the "
+                   f"MTP module's embedding): the runtime refuses it (with tied weights: {able})")
     return out
 
 

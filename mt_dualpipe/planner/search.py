@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..schedules.auto import PLACEMENTS
 from ..schedules.errors import ScheduleError
 from ..schedules.registry import schedule_info
-from .estimate import AUTO, Estimate, Strategy, estimate
+from .estimate import AUTO, Estimate, Strategy, estimate, num_stages, ties_across_stages
 from .model import ModelSpec
-from .runnable import unrunnable_reasons
+from .runnable import unrunnable_reasons, zero_from_config
 from .system import SystemSpec
 
 DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv", "dualpipev", "dualpipe")
@@ -53,8 +54,6 @@ def auto_placement(schedule: str) -> str | None:
     when the search does not take that placement (interleaved) or the schedule is auto itself."""
     if schedule == AUTO:
         return None
-    from ..schedules.auto import PLACEMENTS  # the search's own list; imported when a plan asks for auto
-
     placement = schedule_info(schedule).placement
     return placement if placement in PLACEMENTS else None
 
@@ -123,7 +122,7 @@ def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | No
     strategies, skipped = candidates(model, gpus, global_batch, **options)
     not_runnable = 0
     if runnable_only:
-        kept = [st for st in strategies if not unrunnable_reasons(st)]
+        kept = [st for st in strategies if not unrunnable_reasons(st, ties_across_stages(model, num_stages(st)))]
         strategies, not_runnable = kept, len(strategies) - len(kept)
     ranked, rejected = [], []
     for st in strategies:
@@ -176,7 +175,8 @@ def _published(training: dict, gpus: int, global_batch: int, options: dict) -> S
         return None
     return Strategy(p, training.get("schedule", "1f1b"), global_batch // (dp * mbs),
                     int(training.get("ep_size", 1)), dp, mbs, options["seq_len"],
-                    int(training.get("zero_state", 1)), options["dtype"], options.get("recompute", "selective"))
+                    zero_from_config(training.get("zero_state", 1)), options["dtype"],
+                    options.get("recompute", "selective"))
 
 
 def _place_reference(result: PlanResult, ref: Strategy) -> None:

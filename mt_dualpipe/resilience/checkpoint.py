@@ -51,6 +51,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel.zero import PipelineOptimizer
+from ..parallel.zero_state import init_optimizer_state
 from .names import StateNames
 from .snapshot import Snapshot, pack, restore_rng, restore_snapshot, tensor_refs, unpack
 
@@ -418,9 +420,7 @@ class CheckpointManager:
 
 def _initialised_state(optimizer: Any) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every state tensor present (a plain optimizer creates its state lazily)."""
-    from ..parallel.checkpoint import init_optimizer_state
-
-    for opt in getattr(optimizer, "optimizers", None) or [optimizer]:
+    for opt in optimizer.optimizers if isinstance(optimizer, PipelineOptimizer) else [optimizer]:
         if isinstance(opt, torch.optim.Optimizer):
             init_optimizer_state(opt, [p for g in opt.param_groups for p in g["params"]])
     return optimizer.state_dict()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 class FaultKind(IntEnum):
@@ -90,8 +91,6 @@ def grad_sq_norm(modules: Sequence[nn.Module], extra: Iterable[torch.Tensor] = (
     collective, since a rank whose step raised does not reach it. ``extra``: gradients that live
     outside ``.grad``, e.g. the reduced ZeRO-1 gradient shards (``GradSync.grad_shards``).
     """
-    from torch.distributed.tensor import DTensor
-
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     for g in [*grads, *extra]:

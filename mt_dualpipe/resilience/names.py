@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.zero import ZeroOptimizer
+from ..runtime.modules import Pipeline
+
 
 def stage_prefixes(pipeline: Any, modules: Sequence[nn.Module]) -> list[str] | None:
     """``stage<s>.`` for each local module, from the pipeline's placement; None when unknown.
@@ -30,9 +33,8 @@ def stage_prefixes(pipeline: Any, modules: Sequence[nn.Module]) -> list[str] | N
     A single process (``LocalPipeline``) holds every stage: module ``i`` is stage ``i``. A
     multi-process pipeline without a placement gets None (its modules cannot be named globally).
     """
-    placement, rank = getattr(pipeline, "placement", None), getattr(pipeline, "rank", None)
-    if placement is not None and rank is not None:
-        local = [s for chain in placement for s, r in enumerate(chain) if r == rank]
+    if isinstance(pipeline, Pipeline):
+        local = [s for chain in pipeline.placement for s, r in enumerate(chain) if r == pipeline.rank]
         if len(local) == len(modules):
             return [f"stage{s}." for s in local]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -42,8 +44,6 @@ def stage_prefixes(pipeline: Any, modules: Sequence[nn.Module]) -> list[str] | N
 
 def _optimizer_keys(optimizer: Any, state: dict[str, Any], by_id: dict[int, str]) -> dict[Hashable, str] | None:
     """State key -> global parameter name, or None when some key has no name."""
-    from ..parallel import ZeroOptimizer
-
     keys = list(state.get("state", {}))
     if isinstance(optimizer, ZeroOptimizer):
         out = {n: by_id.get(id(p)) for n, p in zip(optimizer.names, optimizer.params)}
@@ -86,7 +86,7 @@ class StateNames:
             return None
         by_id = {id(p): pre + n for pre, m in zip(prefixes, modules) for n, p in m.named_parameters()}
         keys = None
-        if optimizer is not None and hasattr(optimizer, "state_dict"):
+        if optimizer is not None and hasattr(optimizer, "state_dict"):  # any optimizer-like object
             keys = _optimizer_keys(optimizer, optimizer.state_dict(), by_id)
         return cls(prefixes, keys)
 

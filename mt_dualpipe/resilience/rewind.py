@@ -36,15 +36,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.stage_sync import DP_MODES, RetakesParameters
+from ..runtime.errors import PipelineError
+from ..runtime.modules import DualPipe, Pipeline
 from .agree import Agreement, AgreementError, LocalReport, Verdict
 from .checkpoint import CheckpointError, CheckpointManager
 from .detect import FaultKind, LossSpikeDetector, grad_sq_norm, loss_stats, nonfinite_inputs
 from .faults import FaultInjector
+from .local import LocalPipeline
 from .names import StateNames
 from .regroup import rebuild_on_mesh, refresh_sync_groups
 from .snapshot import Snapshot, restore_snapshot, take_snapshot
@@ -99,12 +103,19 @@ def _split_batch(batch: Any) -> tuple[tuple, tuple]:
     return as_tuple(inputs), as_tuple(labels)
 
 
+@runtime_checkable
+class Rebuildable(Protocol):
+    """A pipeline that can give itself again on a fresh process group (``Pipeline.rebuilt``)."""
+
+    def rebuilt(self, group: dist.ProcessGroup | None = None) -> Any:
+        ...
+
+
 def _local_modules(pipeline: Any, modules: Sequence[nn.Module] | None) -> list[nn.Module]:
     if modules is not None:
         return list(modules)
-    stages = getattr(pipeline, "module", None)
-    if isinstance(stages, nn.ModuleList):  # mt_dualpipe.Pipeline, LocalPipeline: the stage modules
-        return list(stages)
+    if isinstance(pipeline, (Pipeline, LocalPipeline)):  # the stage modules
+        return list(pipeline.module)
     if isinstance(pipeline, nn.Module):
         return [pipeline]
     raise ValueError("pass modules=[...] (the rank's local stage modules): the pipeline is not an nn.Module")
@@ -233,14 +244,14 @@ class Rewind:
         self.spikes = LossSpikeDetector(cfg.spike_zscore, cfg.window)
         timeout = cfg.timeout
         if timeout is None:
-            timeout = float(getattr(pipeline, "timeout", 540.0)) + 60.0
+            timeout = (pipeline.timeout if isinstance(pipeline, Pipeline) else 540.0) + 60.0
         ranks = None
         if dist.is_available() and dist.is_initialized():
             group = cfg.group
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             _check_covers_mesh(pipeline, ranks)
-            if getattr(pipeline, "mesh", None) is not None:  # bound every data-parallel wait (see regroup.py)
-                refresh_sync_groups(pipeline, float(getattr(pipeline, "timeout", timeout)))
+            if isinstance(pipeline, Pipeline) and pipeline.mesh is not None:  # bound every dp wait (regroup.py)
+                refresh_sync_groups(pipeline, pipeline.timeout)
         self.names = StateNames.of(pipeline, self.modules, optimizer)
         self.agreement = Agreement(ranks, timeout)
         self.rank = self.agreement.rank
@@ -362,12 +373,11 @@ class Rewind:
         collectives, which a rank that faulted would not join.
         """
         return (self.overlap_optimizer and report.kind == FaultKind.OK and self.grad_hook is None
-                and not self._mirrored_sync() and getattr(self.pipeline, "dp_mode", None) in (None, "allreduce"))
+                and not self._mirrored_sync() and _steps_without_collectives(self.pipeline))
 
     def _mirrored_sync(self) -> bool:
         """Whether Rewind sums DualPipe's mirrored copies itself (not with a mesh: the step's REDUCE_GRAD did)."""
-        return (self.sync_mirrored and hasattr(self.pipeline, "sync_mirrored_grads")
-                and not getattr(self.pipeline, "grad_syncs", None))
+        return self.sync_mirrored and isinstance(self.pipeline, DualPipe) and not self.pipeline.grad_syncs
 
     def _attempt(self, batch_fn: Callable[[int], Any], pos: int) -> LocalReport:
         """Read the batch, run the pipeline's step and check it here: this rank's report."""
@@ -506,36 +516,30 @@ class Rewind:
         self.close()
 
 
+def _steps_without_collectives(pipeline: Any) -> bool:
+    """Whether ``optimizer.step()`` posts no collective (no mesh, or an all-reduce mode: no ZeRO-1 gather)."""
+    return (not isinstance(pipeline, Pipeline) or pipeline.dp_mode is None
+            or DP_MODES[pipeline.dp_mode].reduces_by == "all_reduce")
+
+
 def _check_covers_mesh(pipeline: Any, ranks: list[int]) -> None:
     """With a mesh every rank must rewind together: a fault on one replica would otherwise leave the
     others stepping on (and, in zero1, gathering parameters from a replica that rewound)."""
-    mesh = getattr(pipeline, "mesh", None)
-    grid = getattr(getattr(mesh, "mesh", None), "mesh", None)
-    if grid is None:
-        return
-    need = sorted(int(r) for r in grid.reshape(-1).tolist())
-    if not set(need) <= set(ranks):
-        raise ValueError(f"Rewind's group spans ranks {sorted(ranks)} but the pipeline's mesh spans {need}: every "
-                         "data-parallel replica must agree on each step (pass group=None for the whole world)")
+    need = pipeline.mesh_ranks if isinstance(pipeline, Pipeline) else None
+    if need is not None and not set(need) <= set(ranks):
+        raise ValueError(f"Rewind's group spans ranks {sorted(ranks)} but the pipeline's mesh spans {list(need)}: "
+                         "every data-parallel replica must agree on each step (pass group=None for the whole world)")
 
 
 def _reduced_shards(pipeline: Any) -> list[Any]:
     """The ZeRO-1 gradient shards of the pipeline's syncs (after zero1's reduce-scatter ``.grad`` is None)."""
-    out = []
-    for sync in (getattr(pipeline, "grad_syncs", None) or {}).values():
-        parts = [sync, *getattr(sync, "parts", []), *(getattr(t, "sync", None) for t in getattr(sync, "ties", []))]
-        for part in parts:
-            if getattr(part, "mode", None) == "zero1" and getattr(part, "synced", False):
-                out += [g for g in part.grad_shards() if g is not None]
-    return out
+    return pipeline.reduced_gradient_shards() if isinstance(pipeline, Pipeline) else []
 
 
 def _refresh_shards(optimizer: Any) -> None:
     """ZeRO-1 keeps its own copy of this rank's parameter shards: take them again from the restored parameters."""
-    for z in [optimizer, *getattr(optimizer, "zero", [])]:
-        refresh = getattr(z, "refresh_shards", None)
-        if callable(refresh):
-            refresh()
+    if isinstance(optimizer, RetakesParameters):
+        optimizer.refresh_shards()
 
 
 def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
@@ -546,18 +550,17 @@ def rebuild_pipeline(old: Any, group: dist.ProcessGroup | None = None) -> Any:
 
     Kept for callers that pass it as ``rebuild=``; the pipeline itself knows how to rebuild.
     """
-    rebuilt = getattr(old, "rebuilt", None)
-    if rebuilt is None:
+    if not isinstance(old, Rebuildable):
         raise TypeError(f"rebuild_pipeline needs a pipeline with a rebuilt() method (mt_dualpipe.Pipeline), got "
                         f"{type(old).__name__}; pass rebuild=")
-    if getattr(old, "mesh", None) is not None:  # every pipeline line and every data-parallel group (regroup.py)
-        return rebuild_on_mesh(old, group, float(old.timeout))
-    return rebuilt(group)
+    if isinstance(old, Pipeline) and old.mesh is not None:  # every pipeline line and every dp group (regroup.py)
+        return rebuild_on_mesh(old, group, old.timeout)
+    return old.rebuilt(group)
 
 
 def _auto_rebuild(pipeline: Any) -> Callable[[Any], Any] | None:
     """``pipeline.rebuilt()`` for pipelines that can rebuild themselves, None (keep as is) for anything else."""
-    return rebuild_pipeline if callable(getattr(pipeline, "rebuilt", None)) else None
+    return rebuild_pipeline if isinstance(pipeline, Rebuildable) else None
 
 
 def fresh_group(ranks: Sequence[int] | None = None, backend: str | None = None,
@@ -576,7 +579,7 @@ def _describe(exc: BaseException) -> str:
     mb m) in Module: ...") from exc``; the cause named first is the original one.
     """
     root = exc
-    while root.__cause__ is not None and type(root).__name__ == "PipelineError":
+    while root.__cause__ is not None and isinstance(root, PipelineError):
         root = root.__cause__
     first = str(root).strip().splitlines()[0][:300] if str(root).strip() else ""
     text = f"{type(root).__name__}: {first}"

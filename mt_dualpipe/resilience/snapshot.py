@@ -68,7 +68,6 @@ class DTensorSpec:
     stride: tuple[int, ...]
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, self.mesh, list(self.placements), run_check=False,
                                   shape=torch.Size(self.shape), stride=self.stride)

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ops import RULES, SEND_RECV, SIGNAL_OF_COMM
-from .device import StreamSync
 from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
+from .streams import StreamSync
 
 META_TAG = 1
 DATA_TAG = 0

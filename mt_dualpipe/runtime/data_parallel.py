@@ -8,9 +8,11 @@ the collective overlaps the rest of the pipeline's drain. What reduces and how i
 * the groups come from ``ParallelDims.stage_sync_groups``: a stage held by one pipeline rank
   reduces over dp; DualPipe's mirrored copies (the same stage in two chains, on ranks r and P-1-r)
   share one group over copies x dp, so the copies are summed once and the replicas averaged;
-* ``dp_mode`` picks the sync object: ``GradSync`` all-reduce (DDP semantics), ``GradSync`` zero1
-  (reduce-scatter; step with ``parallel.ZeroOptimizer``), or ``FSDPStageSync`` for stages the user
-  wrapped with ``fully_shard`` (unsharded for the step, reduce-scattered after the last W).
+* ``dp_mode`` (a key of ``parallel.modes.DP_MODES``, the one list of modes) picks the sync
+  object: ``GradSync`` all-reduce (DDP semantics), ``GradSync`` zero1 (reduce-scatter; step with
+  ``parallel.ZeroOptimizer``), or ``FSDPStageSync`` for stages the user wrapped with ``fully_shard``
+  (unsharded for the step, reduce-scattered after the last W). Every one of them is a
+  ``parallel.stage_sync.StageGradSync``: the executor, the optimizer and resilience ask only that.
 
 Why not ``DistributedDataParallel``: its reducer is driven by autograd hooks, which a deferred W
 (gradients written after B, outside that backward) does not go through in DDP's order, and it
@@ -23,17 +25,24 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..parallel.mesh import ParallelDims, SyncGroup
+from ..parallel.stage_sync import DP_MODES, StageGradSync, stage_params
 from ..parallel.weight_kinds import KINDS, weight_kind
 from .errors import PipelineError
 
-DP_MODES = ("allreduce", "zero1", "fsdp")
+if TYPE_CHECKING:  # the sync classes load DTensor and FSDP (~1 s a process): built only with a mesh or ties
+    from ..parallel.grad_sync import GradSync, TiedSync
+
+__all__ = ["DP_BATCH", "DP_MODES", "PipelineGroups", "Reductions", "Tie", "build_reductions", "check_mesh",
+           "find_ties", "needs_reductions", "rank_label", "refuse_wrapped", "replica_slice", "stage_holders"]
+
 DP_BATCH = ("global", "local")
 
 
@@ -46,7 +55,7 @@ def rank_label(pp_rank: int, global_rank: int) -> str:
 
 def refuse_wrapped(modules: Sequence[nn.Module], dp_mode: str | None, label: str) -> None:
     """DDP-wrapped stages (silently wrong under a split backward) and FSDP stages without ``dp_mode='fsdp'``."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP loads ~0.8 s; only a Pipeline needs it
 
     for i, m in enumerate(modules):
         if isinstance(m, DistributedDataParallel):
@@ -56,14 +65,14 @@ def refuse_wrapped(modules: Sequence[nn.Module], dp_mode: str | None, label: str
                 "wrong. Pass the bare module (ddp.module) and give the Pipeline mesh=init_parallel(pp=..., dp=...) "
                 "with dp_mode='allreduce' (or 'zero1' / 'fsdp'): the schedule then reduces each stage's gradients "
                 "after its last W")
-        if isinstance(m, FSDPModule) and dp_mode != "fsdp":
+        if isinstance(m, FSDPModule) and not (dp_mode is not None and DP_MODES[dp_mode].needs_fully_shard):
             raise PipelineError(
                 f"{label}: stage module {i} ({type(m).__name__}) is wrapped with fully_shard, which needs "
                 f"dp_mode='fsdp' (got dp_mode={dp_mode!r}) and mesh=: FSDP's own hooks reshard after B, before W "
                 "runs; the pipeline keeps the stage unsharded for the step and reduce-scatters after its last W")
 
 
-def check_mesh(mesh: Any, num_pp_ranks: int | None = None) -> None:
+def check_mesh(mesh: ParallelDims, num_pp_ranks: int | None = None) -> None:
     """A ``ParallelDims`` whose sizes agree with its device mesh and that this runtime supports."""
     sizes = (mesh.pp, mesh.dp, mesh.ep, mesh.tp)
     total = mesh.mesh.size()
@@ -84,15 +93,17 @@ def stage_holders(placement: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
 
 
 def _check_supported(module: nn.Module, dp_mode: str, where: str) -> None:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP and DTensor load ~0.8 s; only with a mesh
     from torch.distributed.tensor import DTensor
 
     tp = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names
                                                                                        or ())]
-    if tp and dp_mode != "allreduce":  # each tp rank all-reduces its local shard (parallel/tensor_parallel.py)
+    mode = DP_MODES[dp_mode]
+    if tp and not mode.tensor_parallel:  # each tp rank all-reduces its local shard (parallel/tensor_parallel.py)
+        able = [m.name for m in DP_MODES.values() if m.tensor_parallel]
         raise PipelineError(f"{where}: tensor-parallel (DTensor) parameters such as {tp[:2]} reduce over dp with "
-                            f"dp_mode='allreduce' only, got dp_mode={dp_mode!r}")
-    if dp_mode == "fsdp":
+                            f"{' or '.join(f'dp_mode={m!r}' for m in able)} only, got dp_mode={dp_mode!r}")
+    if mode.needs_fully_shard:
         if not isinstance(module, FSDPModule):
             raise PipelineError(f"{where}: dp_mode='fsdp' needs stage modules wrapped with fully_shard(module, "
                                 f"mesh=dims.submesh('dp')); got a plain {type(module).__name__}")
@@ -235,9 +246,7 @@ class PipelineGroups:
         self.pp_rank = pp_rank
         self.peers = list(peers_global)
 
-    def stage_sync_groups(self, holders: Sequence[Sequence[int]], kind: str = "dense") -> dict[int, Any]:
-        from ..parallel import SyncGroup
-
+    def stage_sync_groups(self, holders: Sequence[Sequence[int]], kind: str = "dense") -> dict[int, SyncGroup]:
         out = {}
         for i, pps in enumerate(holders):
             if len(pps) < 2:
@@ -261,27 +270,32 @@ class Reductions:
     copies share theirs, as they are one weight).
     """
 
-    syncs: dict[tuple[int, int], Any] = field(default_factory=dict)
-    params: list[tuple[str, nn.Parameter, Any]] = field(default_factory=list)
-    ties: list[Any] = field(default_factory=list)
+    syncs: dict[tuple[int, int], StageGradSync] = field(default_factory=dict)
+    params: list[tuple[str, nn.Parameter, GradSync | None]] = field(default_factory=list)
+    ties: list[TiedSync] = field(default_factory=list)
 
 
-def _needs_sync(g: Any) -> bool:
+Groups = ParallelDims | PipelineGroups
+"""Where a stage's sync groups come from: the mesh, or the pipeline's own ranks without one."""
+
+
+def _needs_sync(g: SyncGroup | None) -> bool:
     """A group that sums over other ranks or divides (expert weights at dp=1, ep>1 still divide by ep)."""
     return g is not None and (len(g.ranks) > 1 or g.divide_by > 1)
 
 
-def _kind_groups(groups: Any, holders: list[tuple[int, ...]], mesh: Any) -> dict[str, dict[int, Any]]:
+def _kind_groups(groups: Groups, holders: list[tuple[int, ...]], mesh: ParallelDims | None
+                 ) -> dict[str, dict[int, SyncGroup]]:
     """Per weight kind, the stage groups (collective; the expert groups only where ep > 1)."""
     dense = groups.stage_sync_groups(holders, "dense")
     expert = groups.stage_sync_groups(holders, "expert") if mesh is not None and mesh.ep > 1 else dense
     return {"dense": dense, "expert": expert}
 
 
-def _tie_syncs(ties: list[Tie], groups: Any, local: Sequence[tuple[int, int]], modules: Sequence[nn.Module],
-               dp_mode: str, bucket_bytes: int) -> list[Any]:
+def _tie_syncs(ties: list[Tie], groups: Groups, local: Sequence[tuple[int, int]], modules: Sequence[nn.Module],
+               dp_mode: str, bucket_bytes: int) -> list[TiedSync]:
     """One ``TiedSync`` per tie this rank holds a copy of (collective: the groups of every tie are built)."""
-    from ..parallel import TiedSync
+    from ..parallel.grad_sync import TiedSync  # lazy: DTensor (~1 s a process), only where ties exist
 
     tie_groups = groups.stage_sync_groups([t.holders for t in ties], "dense") if ties else {}
     out = []
@@ -298,9 +312,9 @@ def _tie_syncs(ties: list[Tie], groups: Any, local: Sequence[tuple[int, int]], m
     return out
 
 
-def build_reductions(mesh: Any, groups: Any, placement: Sequence[Sequence[int]], local: Sequence[tuple[int, int]],
-                     modules: Sequence[nn.Module], dp_mode: str, bucket_bytes: int, label: str,
-                     ties: list[Tie]) -> Reductions:
+def build_reductions(mesh: ParallelDims | None, groups: Groups, placement: Sequence[Sequence[int]],
+                     local: Sequence[tuple[int, int]], modules: Sequence[nn.Module], dp_mode: str,
+                     bucket_bytes: int, label: str, ties: list[Tie]) -> Reductions:
     """The sync objects of this rank's stages (collective over the world: groups are created).
 
     Per local stage: one ``GradSync`` per weight kind present (dense over copies x dp x ep,
@@ -308,7 +322,8 @@ def build_reductions(mesh: Any, groups: Any, placement: Sequence[Sequence[int]],
     that ``GradSync`` itself when it is the only one, else a ``StageSync`` of the parts and the
     ties the stage holds copies of. ``groups``: the mesh, or ``PipelineGroups`` without one.
     """
-    from ..parallel import FSDPStageSync, GradSync, StageSync, stage_params
+    from ..parallel.fsdp import FSDPStageSync  # lazy: FSDP and DTensor (~1 s a process), only with a mesh or ties
+    from ..parallel.grad_sync import GradSync, StageSync  # lazy: as above
 
     by_kind = _kind_groups(groups, stage_holders(placement), mesh)
     tied = _tie_syncs(ties, groups, local, modules, dp_mode, bucket_bytes)
@@ -325,9 +340,10 @@ def build_reductions(mesh: Any, groups: Any, placement: Sequence[Sequence[int]],
         params = [p for p in stage_params(module) if id(p) not in tied_ids and id(p) not in seen]
         seen.update(id(p) for p in params)
         ties_here = [t for t in tied if (c, s) in t.stages]
-        if dp_mode == "fsdp":
+        if DP_MODES[dp_mode].needs_fully_shard:
             g = by_kind["dense"].get(s)
-            out.syncs[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by, group=g.group)
+            out.syncs[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by, group=g.group,
+                                              key=("stage", s, "fsdp"))
             out.params += [(f"stage{s}.{names[id(p)]}", p, None) for p in params]
             continue
         parts = []
@@ -335,23 +351,23 @@ def build_reductions(mesh: Any, groups: Any, placement: Sequence[Sequence[int]],
         split = {"dense": params} if one_kind else {k: [p for p in params if weight_kind(p) == k] for k in KINDS}
         for kind, mine in split.items():
             g = by_kind[kind].get(s)
-            sync = (GradSync(mine, g.group, mode=dp_mode, bucket_bytes=bucket_bytes, divide_by=g.divide_by)
-                    if mine and _needs_sync(g) else None)
+            sync = (GradSync(mine, g.group, mode=dp_mode, bucket_bytes=bucket_bytes, divide_by=g.divide_by,
+                             key=("stage", s, kind)) if mine and _needs_sync(g) else None)
             parts += [sync] if sync is not None else []
             out.params += [(f"stage{s}.{names[id(p)]}", p, sync) for p in mine]
         if len(parts) == 1 and not ties_here:
             out.syncs[(c, s)] = parts[0]
         elif parts or ties_here:
-            out.syncs[(c, s)] = StageSync((c, s), parts, ties_here)
+            out.syncs[(c, s)] = StageSync((c, s), parts, ties_here, mode=dp_mode)
     for t in tied:
         out.params += [(f"tied.{n}", rep, t.sync) for n, rep in zip(t.names, t.reps)]
     if out.syncs:  # every local stage has a REDUCE_GRAD once the program has them
         for cs in local:
-            out.syncs.setdefault(cs, StageSync(cs))
+            out.syncs.setdefault(cs, StageSync(cs, mode=dp_mode))
     return out
 
 
-def needs_reductions(mesh: Any, dp_mode: str | None, ties: list[Tie], experts: int,
+def needs_reductions(mesh: ParallelDims | None, dp_mode: str | None, ties: list[Tie], experts: int,
                      group: dist.ProcessGroup) -> bool:
     """Whether the pipeline reduces anything at REDUCE_GRAD (a mesh, or ties); refuses what it cannot reduce.
 
@@ -370,11 +386,17 @@ def needs_reductions(mesh: Any, dp_mode: str | None, ties: list[Tie], experts: i
                             "mark the routed experts (sharded over dims.group('ep')) with "
                             "mt_dualpipe.parallel.set_weight_kind(experts, 'expert'), or use dp=... instead of ep for "
                             "a dense model (expert gradients must not be averaged with other ranks' experts)")
-    if dp_mode == "fsdp" and ties:
-        raise PipelineError(f"dp_mode='fsdp' cannot reduce tied parameters ({tied}): FSDP shards each stage's copy "
-                            "on its own; use dp_mode='zero1' (sharded optimizer state) or 'allreduce'")
-    if dp_mode == "fsdp" and mesh.ep > 1:
-        raise PipelineError(f"dp_mode='fsdp' with ep={mesh.ep} is not supported: fully_shard over dp would average "
-                            "the dense weights over dp only, not dp x ep; use dp_mode='zero1' (what DeepSeek-V3 "
-                            "used) or 'allreduce'")
+    mode = DP_MODES[dp_mode or "allreduce"]
+    if ties and not mode.tied_weights:
+        raise PipelineError(f"dp_mode={mode.name!r} cannot reduce tied parameters ({tied}): it shards each stage's "
+                            f"copy on its own; use dp_mode {_able('tied_weights')}")
+    if mesh.ep > 1 and not mode.expert_parallel:
+        raise PipelineError(f"dp_mode={mode.name!r} with ep={mesh.ep} is not supported: fully_shard over dp would "
+                            "average the dense weights over dp only, not dp x ep; use dp_mode "
+                            f"{_able('expert_parallel')} (DeepSeek-V3 used zero1)")
     return True
+
+
+def _able(flag: str) -> str:
+    """The modes whose ``DataParallelMode.<flag>`` is set, for an error message: "'allreduce' or 'zero1'"."""
+    return " or ".join(repr(m.name) for m in DP_MODES.values() if getattr(m, flag))

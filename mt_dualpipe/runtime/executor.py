@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..parallel.stage_sync import StageGradSync
 from ..schedules.ir import FB, CommBatch, Op, Program
 from ..schedules.ops import COMM_KINDS, SEND_RECV, SIGNAL_OF_COMM, OpKind, Signal, producers
 from ..schedules.timeline import TimelineEvent
@@ -106,7 +107,7 @@ class PlannedReduce:
 
     index: int
     op: Op
-    sync: Any  # parallel.GradSync / FSDPStageSync: begin_step(), start(), wait()
+    sync: StageGradSync  # begin_step(), start(), wait() (parallel/stage_sync.py)
     kind: OpKind = REDUCE
 
 
@@ -129,7 +130,7 @@ class Executor:
     """Runs the program of ``rank`` with this rank's stage modules (in ``local_stages`` order)."""
 
     def __init__(self, program: Program, rank: int, modules: Sequence[nn.Module], p2p: P2P,
-                 store: WeightGradStore, syncs: dict[tuple[int, int], Any] | None = None,
+                 store: WeightGradStore, syncs: dict[tuple[int, int], StageGradSync] | None = None,
                  rank_name: str | None = None):
         sched = program.schedule
         self.program, self.rank, self.p2p, self.store = program, rank, p2p, store

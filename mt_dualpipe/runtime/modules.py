@@ -10,12 +10,16 @@ outputs) back, in micro-batch order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.device import backend_for, module_device
+from ..parallel.layout import DEFAULT_BUCKET_BYTES
+from ..parallel.mesh import ParallelDims
+from ..parallel.stage_sync import GroupUse, StageGradSync, stage_params
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
 from ..schedules.lower import lower
@@ -34,12 +38,14 @@ from .data_parallel import (
     refuse_wrapped,
     replica_slice,
 )
-from .device import backend_for, module_device
 from .errors import PipelineError
 from .executor import Executor
 from .step_checks import NOT_HELD, StepCheck, StepVerifier, batch_rows
 from .timeline import gather_timeline
 from .weight_grad import WeightGradStore
+
+if TYPE_CHECKING:
+    from ..parallel.zero import PipelineOptimizer
 
 
 def _split(values: Sequence[Any], n: int, dim: int, what: str, allow_uneven: bool = False) -> list[tuple]:
@@ -112,7 +118,7 @@ class Pipeline(nn.Module):
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
                  process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
                  batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None,
-                 allow_uneven: bool = False, mesh: Any = None, dp_mode: str | None = None,
+                 allow_uneven: bool = False, mesh: ParallelDims | None = None, dp_mode: str | None = None,
                  dp_batch: str = "global", bucket_bytes: int | None = None):
         super().__init__()
         if not dist.is_initialized():
@@ -162,12 +168,10 @@ class Pipeline(nn.Module):
         self.record_activation_bytes = False
         self.peak_activation_bytes: int | None = None
 
-    def _setup_data_parallel(self, mesh: Any, dp_mode: str | None, dp_batch: str, bucket_bytes: int | None,
-                             local: list[tuple[int, int]], peers: list[int]) -> None:
+    def _setup_data_parallel(self, mesh: ParallelDims | None, dp_mode: str | None, dp_batch: str,
+                             bucket_bytes: int | None, local: list[tuple[int, int]], peers: list[int]) -> None:
         """The data-parallel side (see ``data_parallel.py``): refuse wrapped stages, find tied weights, build
         one sync per stage (collective over the world when a mesh or ties ask for groups)."""
-        from ..parallel import DEFAULT_BUCKET_BYTES
-
         refuse_wrapped(list(self.module), dp_mode if mesh is not None else None, self.rank_name)
         self.mesh, self.dp_batch = mesh, dp_batch
         self.dp_mode = (dp_mode or "allreduce") if mesh is not None else None
@@ -184,10 +188,39 @@ class Pipeline(nn.Module):
             self.reductions = build_reductions(mesh, groups, self.placement, local, list(self.module),
                                                self.dp_mode or "allreduce", bucket_bytes or DEFAULT_BUCKET_BYTES,
                                                self.rank_name, ties)
-        self.grad_syncs: dict[tuple[int, int], Any] = self.reductions.syncs
+        self.grad_syncs: dict[tuple[int, int], StageGradSync] = self.reductions.syncs
         self.data_parallel = bool(self.grad_syncs)  # lower with one REDUCE_GRAD per stage
 
-    def build_optimizer(self, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> Any:
+    # ----- what resilience (and any training loop) may ask of the data-parallel side ------------------
+    @property
+    def mesh_ranks(self) -> tuple[int, ...] | None:
+        """Every global rank of the pipeline's mesh (None without a mesh): the ranks that must step together."""
+        if self.mesh is None:
+            return None
+        return tuple(sorted(int(r) for r in self.mesh.mesh.mesh.reshape(-1).tolist()))
+
+    def reduced_gradient_shards(self) -> list[torch.Tensor]:
+        """After a step: the reduced gradient chunks the syncs hold where ``.grad`` was emptied (ZeRO-1), each once."""
+        seen: set[int] = set()
+        out = []
+        for sync in self.grad_syncs.values():
+            for g in sync.reduced_shards():
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    out.append(g)
+        return out
+
+    def sync_groups(self) -> list[GroupUse]:
+        """Every process group the stages' syncs post on, each ``(key, ranks)`` once, in a fixed order."""
+        uses = {(u.key, u.ranks): u for sync in self.grad_syncs.values() for u in sync.process_groups()}
+        return [uses[k] for k in sorted(uses, key=repr)]
+
+    def replace_sync_group(self, use: GroupUse, group: dist.ProcessGroup) -> None:
+        """Post ``use``'s collectives on ``group`` (a fresh group over the same ranks) from now on."""
+        for sync in self.grad_syncs.values():
+            sync.replace_group(use.key, group)
+
+    def build_optimizer(self, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> PipelineOptimizer:
         """One optimizer (``parallel.PipelineOptimizer``) for every stage this rank holds, in every dp mode.
 
         ``factory(params)`` builds a ``torch.optim`` optimizer over the tensors it is given: once
@@ -195,10 +228,10 @@ class Pipeline(nn.Module):
         group over this rank's shards (each weight kind over its own group). Tied weights are
         stepped once (their representative) and copied into the other copies. The object has
         ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``, ``state_bytes`` and
-        ``param_groups``. Build it again after ``rebuilt()`` (the new pipeline has new syncs).
+        ``param_groups``. Build it again after ``rebuilt()`` (the new pipeline has new syncs), unless it
+        was rebuilt with ``keep_syncs=True``.
         """
-        from ..parallel import PipelineOptimizer
-        from ..parallel.grad_sync import stage_params
+        from ..parallel.zero import PipelineOptimizer  # lazy: DTensor/DCP state (~1 s a process), for training only
 
         params = self.reductions.params
         if not params:  # no reductions built (no mesh, no ties): every parameter once, named by its stage
@@ -212,7 +245,7 @@ class Pipeline(nn.Module):
         return PipelineOptimizer(params, factory, self.dp_mode or "allreduce", self.reductions.ties)
 
     @property
-    def stage_syncs(self) -> list[Any]:
+    def stage_syncs(self) -> list[StageGradSync | None]:
         """The gradient-sync object of each stage module (``self.module`` order), None where it has none."""
         local = [(c, s) for c, chain in enumerate(self.placement) for s, r in enumerate(chain) if r == self.rank]
         return [self.grad_syncs.get(cs) for cs in local]
@@ -228,7 +261,7 @@ class Pipeline(nn.Module):
         ``criterion`` here (and ``labels`` when the criterion takes any)."""
         return any(chain[-1] == self.rank for chain in self.placement)
 
-    def rebuilt(self, group: dist.ProcessGroup | None = None) -> Pipeline:
+    def rebuilt(self, group: dist.ProcessGroup | None = None, *, keep_syncs: bool = False) -> Pipeline:
         """The same pipeline (stage modules, schedule, options, timeout, mapping) on a fresh process group.
 
         What a fault-tolerant loop needs after a step raised: a timed-out or failed point-to-point
@@ -237,6 +270,8 @@ class Pipeline(nn.Module):
         it on every rank. The subclass (``DualPipe``, ``DualPipeV``) is kept. With a mesh every
         pipeline line's new group is created on every rank, in one order (``new_group`` is
         collective over the world); ``resilience.rebuild_pipeline`` also renews the reductions' groups.
+        ``keep_syncs=True``: the new pipeline reduces with this one's sync objects (so an optimizer built on
+        them keeps working); give them fresh groups with ``replace_sync_group``.
         """
         if group is None and self.mesh is not None:
             lines = self.mesh.mesh.mesh.reshape(self.num_ranks, -1).t().tolist()  # one per (dp, ep, tp)
@@ -252,6 +287,8 @@ class Pipeline(nn.Module):
                           dp_mode=self.dp_mode if self.mesh is not None else None, dp_batch=self.dp_batch)
         new.record_timeline = self.record_timeline
         new.record_activation_bytes = self.record_activation_bytes
+        if keep_syncs:  # no executor is built yet: the next step lowers with these
+            new.reductions, new.grad_syncs = self.reductions, self.grad_syncs
         return new
 
     @property
@@ -403,7 +440,7 @@ class _Prepared:
         return StepCheck(n, int(training), self.input_rows, self.label_rows, code)
 
 
-def _pp_group(mesh: Any, dp_mode: str | None, dp_batch: str,
+def _pp_group(mesh: ParallelDims | None, dp_mode: str | None, dp_batch: str,
               process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The pipeline's group: the mesh's pp group when a mesh is given (checked), else ``process_group``."""
     if dp_mode is not None and dp_mode not in DP_MODES:
@@ -470,7 +507,8 @@ class DualPipe(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0, mesh: Any = None, dp_mode: str | None = None, dp_batch: str = "global"):
+                 *, timeout: float = 300.0, mesh: ParallelDims | None = None, dp_mode: str | None = None,
+                 dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipe takes two modules (stage r, stage P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipe", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
@@ -514,7 +552,8 @@ class DualPipeV(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0, mesh: Any = None, dp_mode: str | None = None, dp_batch: str = "global"):
+                 *, timeout: float = 300.0, mesh: ParallelDims | None = None, dp_mode: str | None = None,
+                 dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipeV takes two modules (stage r, stage 2P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipev", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,

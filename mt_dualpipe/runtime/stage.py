@@ -91,7 +91,7 @@ def deferred_params(module: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 def _swaps_params(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: FSDP loads ~0.8 s; the runtime imports without it
 
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
@@ -164,7 +164,7 @@ class Stage:
             self.inputs[mb] = inputs
         if not self.is_last:
             if any(type(o) is not torch.Tensor for o in outs):  # a subclass: no DTensor crosses a boundary
-                from ..parallel.tensor_parallel import dtensor_output_problem
+                from ..parallel.tensor_parallel import dtensor_output_problem  # lazy: DTensor, only on a subclass
 
                 problem = dtensor_output_problem(outs)
                 if problem:

@@ -26,8 +26,8 @@ from collections import deque
 from . import ops as K
 from . import placements
 from .errors import ScheduleError
+from .info import ScheduleInfo
 from .ir import FB, ComputeItem, Op, Schedule
-from .registry import register
 
 
 class _Stream:
@@ -89,8 +89,6 @@ def bidirectional_order(own: _Stream, other: _Stream, h: int, n: int, per_stream
     return out
 
 
-@register("dualpipe", "DeepSeek-V3's bidirectional pipeline: two mirrored chains overlapped F&B",
-          "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2, placement="dual")
 def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if P % 2:
@@ -112,8 +110,6 @@ def build_dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     return Schedule("dualpipe", P, M, placement, placements.dual_chains(M), ranks)
 
 
-@register("dualpipev", "DualPipe cut in half: one chain of 2P stages in a V, overlapped F&B",
-          "M >= 2P", placement="v")
 def build_dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P:
@@ -123,3 +119,14 @@ def build_dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     ranks = [bidirectional_order(_Stream(0, r, mbs), _Stream(0, 2 * P - 1 - r, mbs), r, P, M, 2 * P)
              for r in range(P)]
     return Schedule("dualpipev", P, M, placement, [0] * M, ranks)
+
+
+SCHEDULES = (
+    ScheduleInfo("dualpipe", "DeepSeek-V3's bidirectional pipeline: two mirrored chains overlapped F&B",
+                 "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2, placement="dual",
+                 build=build_dualpipe),
+    ScheduleInfo("dualpipev", "DualPipe cut in half: one chain of 2P stages in a V, overlapped F&B",
+                 "M >= 2P", placement="v",
+                 build=build_dualpipev),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from . import ops as K
 from . import placements
+from .info import ScheduleInfo
 from .ir import Op, Schedule
-from .registry import register
 
 
-@register("gpipe", "GPipe: all forwards, then all full backwards (peak activations M)", "any P >= 1, M >= 1")
 def build_gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [[Op(K.F, 0, r, m) for m in range(M)] + [Op(K.BW, 0, r, m) for m in range(M)] for r in range(P)]
     return Schedule("gpipe", P, M, placements.linear(P), [0] * M, ranks)
+
+
+SCHEDULES = (
+    ScheduleInfo("gpipe", "GPipe: all forwards, then all full backwards (peak activations M)", "any P >= 1, M >= 1",
+                 build=build_gpipe),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 from . import ops as K
 from . import placements
 from .errors import ScheduleError
+from .info import ScheduleInfo
 from .ir import Op, Schedule
-from .registry import register
 
 
 def _virtual_step(k: int, P: int, v: int, forward: bool) -> tuple[int, int]:
@@ -45,8 +45,6 @@ def interleaved_order(rank: int, P: int, M: int, v: int) -> list[Op]:
     return ops
 
 
-@register("interleaved-1f1b", "Megatron's interleaved 1F1B: v chunks per rank round-robin, bubble / v",
-          "virtual_stages (v) >= 2; M a multiple of P", placement="interleaved")
 def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     P, M, v = num_ranks, num_microbatches, virtual_stages
     if isinstance(v, bool) or not isinstance(v, int) or v < 2:
@@ -56,3 +54,11 @@ def build_interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages
     placement = placements.interleaved(P, v)
     ranks = [interleaved_order(r, P, M, v) for r in range(P)]
     return Schedule("interleaved-1f1b", P, M, placement, [0] * M, ranks, meta={"virtual_stages": v})
+
+
+SCHEDULES = (
+    ScheduleInfo("interleaved-1f1b", "Megatron's interleaved 1F1B: v chunks per rank round-robin, bubble / v",
+                 "virtual_stages (v) >= 2; M a multiple of P", placement="interleaved",
+                 build=build_interleaved_1f1b),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

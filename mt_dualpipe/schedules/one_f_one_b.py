@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from . import ops as K
 from . import placements
+from .info import ScheduleInfo
 from .ir import Op, Schedule
-from .registry import register
 
 
 def one_f_one_b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[Op]:
@@ -25,9 +25,15 @@ def one_f_one_b_order(rank: int, num_ranks: int, num_microbatches: int) -> list[
     return ops
 
 
-@register("1f1b", "1F1B: P-1-r warm-up forwards, then one forward / one full backward (peak P)",
-          "any P >= 1, M >= 1")
 def build_1f1b(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [one_f_one_b_order(r, P, M) for r in range(P)]
     return Schedule("1f1b", P, M, placements.linear(P), [0] * M, ranks)
+
+
+SCHEDULES = (
+    ScheduleInfo("1f1b", "1F1B: P-1-r warm-up forwards, then one forward / one full backward (peak P)",
+                 "any P >= 1, M >= 1",
+                 build=build_1f1b),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

@@ -135,7 +135,7 @@ RULES: dict[str, KindRule] = {
     BW: KindRule(BW, ((ACT, 0), (GRAD, +1)), GRAD, 0, 1,
                  lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s] + c.recompute[s], sends_to=-1),
     # one per (chain, stage) and step, placed after the stage's last W/BW on its rank (program
-    # order is its only local input); see passes.add_grad_reduction
+    # order is its only local input); see data_parallel.add_grad_reduction
     REDUCE_GRAD: KindRule(REDUCE_GRAD, (), None, 0, 0, lambda c, s: c.dp_sync[s], stream="collective"),
 }
 """One entry per compute kind; keyed by the plain string so that ``RULES[op.kind]`` is one dict hit."""

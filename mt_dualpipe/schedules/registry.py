@@ -1,72 +1,38 @@
 """Name -> generator table behind ``build_schedule`` and ``list_schedules``.
 
-Each family module registers its generators with ``@register``; the registry checks the common
+The table starts as the built-ins (``builtin.BUILTIN``: every family module's ``SCHEDULES``, one
+list) and grows only by ``register`` (a user's own generator). The registry checks the common
 parameters (positive integers, unknown options) once, so generators only check their own rules.
+The families never import the registry: the arrow points one way.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ._perf import gc_paused
+from .builtin import BUILTIN
 from .errors import ScheduleError
+from .info import ScheduleInfo
 from .ir import Schedule
-from .placements import Placement, make_placement
+
+__all__ = ["ScheduleInfo", "accepts", "build_schedule", "list_schedules", "register", "schedule_info"]
 
 
-@dataclass(frozen=True)
-class ScheduleInfo:
-    name: str
-    description: str
-    constraints: str
-    build: Callable[..., Schedule]
-    param_copies: int = 1  # 2 for dualpipe: every stage's parameters live on two ranks
-    placement: str = "linear"  # a name of placements.PLACEMENTS, or "option" (auto: its placement= option)
-
-    @property
-    def options(self) -> list[str]:
-        params = list(inspect.signature(self.build).parameters.values())[2:]
-        return [p.name for p in params]
-
-    def layout(self, num_ranks: int, num_microbatches: int = 2, **options: object) -> Placement:
-        """The placement this schedule runs on for these parameters, without building the schedule.
-
-        What the planner and model integrations need (stage counts, which stages a rank holds)
-        without generating an order.
-        """
-        name = self.placement
-        defaults = {p.name: p.default for p in inspect.signature(self.build).parameters.values()
-                    if p.default is not inspect.Parameter.empty}
-        if name == "option":
-            name = str(options.get("placement", defaults.get("placement", "linear")))
-        v = options.get("virtual_stages", defaults.get("virtual_stages", 2))
-        return make_placement(name, num_ranks, max(num_microbatches, 2), virtual_stages=int(v))
-
-    def num_stages(self, num_ranks: int, **options: object) -> int:
-        """Stages per chain for ``num_ranks`` ranks (P linear and dual, 2P v, vP interleaved)."""
-        return self.layout(num_ranks, **options).num_stages
-
-
-_REGISTRY: dict[str, ScheduleInfo] = {}
+_REGISTRY: dict[str, ScheduleInfo] = {info.name: info for info in BUILTIN}
+"""Process-wide by nature: ``build_schedule`` is a function, so the table it reads is the module's."""
 
 
 def register(name: str, description: str, constraints: str, *, param_copies: int = 1,
              placement: str = "linear") -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
+    """Decorator adding a user's generator ``(num_ranks, num_microbatches, **options) -> Schedule``."""
     def deco(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
         _REGISTRY[name] = ScheduleInfo(name, description, constraints, fn, param_copies, placement)
         return fn
     return deco
 
 
-def _load_families() -> None:
-    # importing the family modules fills the registry
-    from . import auto, dualpipe, gpipe, interleaved, one_f_one_b, zero_bubble  # noqa: F401
-
-
 def schedule_info(name: str) -> ScheduleInfo:
-    _load_families()
     if name not in _REGISTRY:
         raise ScheduleError(f"unknown schedule {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
@@ -74,7 +40,6 @@ def schedule_info(name: str) -> ScheduleInfo:
 
 def list_schedules() -> list[ScheduleInfo]:
     """Every registered schedule with a one-line description and its constraints."""
-    _load_families()
     return list(_REGISTRY.values())
 
 

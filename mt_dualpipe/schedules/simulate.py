@@ -23,6 +23,7 @@ from .costs import COST_FIELDS, Costs, StageCosts
 from .errors import ScheduleError
 from .ir import FB, CommBatch, Program, Schedule
 from .ops import COLLECTIVE, OpTable, signal_name
+from .structure import check_structure
 from .timeline import Timeline, TimelineEvent
 
 
@@ -681,7 +682,5 @@ def simulate(schedule_or_program: Schedule | Program, costs: Costs | None = None
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ScheduleError):
             raise
-        from .validate import check_structure
-
         check_structure(schedule)  # names the malformed op
         raise ScheduleError(f"cannot simulate {schedule.name!r}: {exc}") from exc

@@ -43,8 +43,8 @@ from collections import deque
 from . import ops as K
 from . import placements
 from .errors import ScheduleError
+from .info import ScheduleInfo
 from .ir import Op, Schedule
-from .registry import register
 
 
 def zero_bubble_order(rank: int, M: int, warmup: int, delay: int) -> list[Op]:
@@ -61,15 +61,12 @@ def zero_bubble_order(rank: int, M: int, warmup: int, delay: int) -> list[Op]:
     return ops
 
 
-@register("zb-h1", "Zero Bubble H1: B/W split, W fills the bubbles at 1F1B's memory (peak P)", "any P >= 1, M >= 1")
 def build_zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [zero_bubble_order(r, M, warmup=P - r, delay=r) for r in range(P)]
     return Schedule("zb-h1", P, M, placements.linear(P), [0] * M, ranks)
 
 
-@register("zb-h2", "Zero Bubble H2: more warm-up forwards, zero span bubble when F=B=W (peak 2P-1)",
-          "any P >= 1, M >= 1")
 def build_zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     ranks = [zero_bubble_order(r, M, warmup=2 * (P - r) - 1, delay=2 * r) for r in range(P)]
@@ -116,11 +113,23 @@ def zbv_order(rank: int, P: int, M: int) -> list[Op]:
     return ops
 
 
-@register("zbv", "Zero Bubble V: two chunks per rank in a V, B/W split, zero span bubble at peak 2P chunks",
-          "M >= 2P-1", placement="v")
 def build_zbv(num_ranks: int, num_microbatches: int) -> Schedule:
     P, M = num_ranks, num_microbatches
     if M < 2 * P - 1:
         raise ScheduleError(f"zbv needs at least 2*num_ranks-1 = {2 * P - 1} micro-batches, got {M}")
     placement = placements.v_shape(P)
     return Schedule("zbv", P, M, placement, [0] * M, [zbv_order(r, P, M) for r in range(P)])
+
+
+SCHEDULES = (
+    ScheduleInfo("zb-h1", "Zero Bubble H1: B/W split, W fills the bubbles at 1F1B's memory (peak P)",
+                 "any P >= 1, M >= 1",
+                 build=build_zb_h1),
+    ScheduleInfo("zb-h2", "Zero Bubble H2: more warm-up forwards, zero span bubble when F=B=W (peak 2P-1)",
+                 "any P >= 1, M >= 1",
+                 build=build_zb_h2),
+    ScheduleInfo("zbv", "Zero Bubble V: two chunks per rank in a V, B/W split, zero span bubble at peak 2P chunks",
+                 "M >= 2P-1", placement="v",
+                 build=build_zbv),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import graphviz
+
 from ..schedules.errors import ScheduleError
 
 GRAPHVIZ_FORMATS = ("svg", "png", "pdf")
@@ -51,7 +53,6 @@ def write_graph(path: str | Path, source: str, *, engine: str = "dot", pinned: b
         raise ScheduleError(f"cannot draw {path.name!r}: graphviz output must end in "
                          f"{', '.join('.' + f for f in GRAPHVIZ_FORMATS + SOURCE_FORMATS)}")
     require_dot()
-    import graphviz
 
     data = graphviz.pipe(engine, fmt, source.encode("utf-8"), neato_no_op=2 if pinned else None, quiet=True)
     path.write_bytes(data)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..schedules.costs import Costs
+from ..schedules.errors import ScheduleError
 from ..schedules.ir import Op
 from ..schedules.ops import RULES, OpKind, rule
 from ..schedules.simulate import SimResult
@@ -84,8 +85,6 @@ def events_by_rank(timeline: Timeline, lane: str = "compute", collective: bool |
     for e in timeline.events:
         if e.lane == lane and (collective is None or (e.op in COLLECTIVE_KINDS) == collective):
             if not 0 <= e.rank < timeline.num_ranks:
-                from ..schedules.errors import ScheduleError
-
                 raise ScheduleError(f"timeline event {e} names rank {e.rank}, but num_ranks={timeline.num_ranks}")
             rows[e.rank].append(e)
     for row in rows:

@@ -103,5 +103,6 @@ def test_cli_plan_help_documents_runnability(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--runnable-only rank only configurations the runtime can launch" in text
-    assert "today it runs recompute none, selective and full, dp_mode allreduce (--zero 0) or zero1 (--zero 1), " \
-        "tp 1" in text
+    assert "today it runs recompute none, selective and full, dp_mode allreduce (--zero 0), zero1 (--zero 1) or " \
+        "fsdp (--zero 3, without expert parallelism or weights tied across stages), tp 1" in text
+    assert "--zero {0,1,3}" in text

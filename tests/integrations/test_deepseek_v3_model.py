@@ -22,7 +22,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (
     v_stage_ids,
 )
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch
-from mt_dualpipe.integrations.deepseek_v3.moe import Gate, moe_layers, sequence_balance_loss
+from mt_dualpipe.integrations.deepseek_v3.moe import Gate, moe_layers, sequence_balance_loss, set_timeout
 
 torch.set_num_threads(1)
 
@@ -310,11 +310,11 @@ def test_aux_loss_scale_and_ep_timeout_are_per_model():
         grads.append(a.layers["1"].ffn.gate.weight.grad.clone())
     torch.testing.assert_close(grads[2] - grads[0], 2 * (grads[1] - grads[0]))  # linear in the scale
     assert not torch.allclose(grads[2], grads[0])
-    assert expert_parallel.set_timeout(build_stages(config, 2, source=a), 7.5) == 2
-    assert expert_parallel.set_timeout(a, 3) == 2 and {m.ep_timeout for m in moe_layers(a)} == {3.0}
+    assert set_timeout(build_stages(config, 2, source=a), 7.5) == 2
+    assert set_timeout(a, 3) == 2 and {m.ep_timeout for m in moe_layers(a)} == {3.0}
     assert {m.ep_timeout for m in moe_layers(b)} == {expert_parallel.DEFAULT_TIMEOUT}
     with pytest.raises(ValueError, match="the expert all-to-all timeout must be positive, got 0.0"):
-        expert_parallel.set_timeout(a, 0)
+        set_timeout(a, 0)
 
 
 def test_each_stage_has_its_own_capture_slot():

@@ -155,6 +155,7 @@ def _errors(rank: int, world: int) -> list[str]:
     model = make_model()
     msgs = []
     for make in (lambda: GradSync(model, mode="zero3"),
+                 lambda: GradSync(model, mode="fsdp"),
                  lambda: GradSync(model, divide_by=0),
                  lambda: ZeroOptimizer(GradSync(model), adamw)):
         try:
@@ -175,7 +176,9 @@ def _errors(rank: int, world: int) -> list[str]:
 def test_bad_input_messages():
     (msgs,) = run_ranks(_errors, 1, timeout=60)
     assert msgs == [
-        "unknown data-parallel mode 'zero3'; allowed: allreduce, zero1",
+        "unknown data-parallel mode 'zero3'; allowed: allreduce, zero1, fsdp, allreduce_bf16",
+        "GradSync runs modes allreduce, zero1, allreduce_bf16, got 'fsdp': dp mode 'fsdp' reduces fully_shard stages "
+        "with parallel.FSDPStageSync",
         "divide_by=0 must be >= 1",
         "ZeroOptimizer needs a GradSync in mode 'zero1', got mode 'allreduce'",
         "ZeroOptimizer.step() before the gradients were reduced: call sync.start() and sync.wait() "

@@ -112,7 +112,8 @@ def test_refusals_name_what_is_wrong():
         assert r["heads"] == ("attention 'model.layers.0.self_attn': head counts {'n_kv': 1} are not divisible by "
                               "tp=2; every tp rank needs whole query and key/value heads")
         assert r["zero1"].endswith("tensor-parallel (DTensor) parameters such as ['a.weight', 'a.bias'] reduce over "
-                                   "dp with dp_mode='allreduce' only, got dp_mode='zero1'")
+                                   "dp with dp_mode='allreduce' or dp_mode='allreduce_bf16' only, got "
+                                   "dp_mode='zero1'")
         if rank in (0, 1):  # pipeline rank 0 (global ranks 0 and 1) refuses its DTensor output at F
             name = "rank 0" if rank == 0 else "pipeline rank 0 (global rank 1)"
             assert r["dtensor"].startswith(f"PipelineError: {name} F(chain 0, stage 0, mb 0) in Block: the stage "

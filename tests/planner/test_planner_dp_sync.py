@@ -11,7 +11,7 @@ from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate, plan
 from mt_dualpipe.planner import runnable as runnable_module
 from mt_dualpipe.planner.dp_sync import param_gather_time, stage_sync_times
 from mt_dualpipe.planner.estimate import stage_items
-from mt_dualpipe.planner.runnable import RUNTIME_DP_MODES, RUNTIME_RECOMPUTE, launch, short_reason, unrunnable_reasons
+from mt_dualpipe.planner.runnable import RUNTIME_RECOMPUTE, launch, short_reason, unrunnable_reasons
 from mt_dualpipe.schedules import Costs, add_grad_reduction, build_schedule, simulate
 
 H800 = PRESETS["h800"]
@@ -40,6 +40,8 @@ def plain_costs(costs: Costs) -> Costs:
     ("1f1b", 4, 2, 1, False, 1),      # ZeRO-1 reduce-scatter (one pass) inside a node
     ("dualpipe", 4, 2, 1, False, 2),  # mirrored stages: both copies x 2 replicas, 4 x 2 ranks fit in a node
     ("dualpipe", 4, 4, 0, True, 2),   # 4 x 4 ranks leave the node
+    ("1f1b", 4, 2, 3, False, 1),      # FSDP: the reduce-scatter, one pass
+    ("dualpipe", 4, 2, 3, False, 2),  # FSDP on mirrored stages: all-reduced over both copies (two passes)
 ])
 def test_stage_sync_time_by_hand(llama, schedule, pp, dp, zero, across, copies):
     st = Strategy(pp, schedule, 8, dp=dp, zero=zero)
@@ -47,7 +49,7 @@ def test_stage_sync_time_by_hand(llama, schedule, pp, dp, zero, across, copies):
     sched = build_schedule(schedule, pp, 8)
     bw, lat = H800.link(across)
     g = dp * copies
-    passes = 2 if zero == 0 else 1
+    passes = 2 if zero == 0 or (zero == 3 and copies > 1) else 1
     want = [passes * (sum(i.params for i in items) * 2 * (g - 1) / g / bw + lat) for items in stages]
     assert stage_sync_times(st, H800, stages, sched) == pytest.approx(want, rel=1e-12)
     est = estimate(llama, H800, st)
@@ -123,12 +125,10 @@ def test_launch_tuple_in_the_runtimes_terms(v3):
     assert e.runnable and e.to_dict()["unrunnable"] == []
 
 
-def test_runtime_modes_are_the_parallel_packages():
+def test_runtime_recompute_policies_are_the_integrations():
     pytest.importorskip("torch")
     from mt_dualpipe.integrations.recompute import POLICIES
-    from mt_dualpipe.parallel import MODES
 
-    assert RUNTIME_DP_MODES == tuple(MODES)
     assert RUNTIME_RECOMPUTE == POLICIES
 
 
@@ -160,3 +160,47 @@ def test_plan_marks_or_leaves_out_what_the_runtime_cannot_run(v3, monkeypatch):
     runnable = plan(v3, H800.replace(gpu_memory_gb=256), 512, 1024, recompute="none", runnable_only=True, **opts)
     assert runnable.not_runnable == 0 and all(e.runnable for e in runnable.ranked + runnable.rejected)
     assert len(runnable.ranked) + len(runnable.rejected) == len(marked.ranked) + len(marked.rejected)
+
+
+@pytest.mark.parametrize("schedule,copies", [("1f1b", 1), ("dualpipe", 2)])
+def test_fsdp_gathers_its_parameters_once_a_step_over_its_own_dp_mesh(llama, schedule, copies):
+    zero1, fsdp = (Strategy(4, schedule, 8, dp=2, zero=z) for z in (1, 3))
+    stages = stage_items(llama, fsdp, H800)
+    sched = build_schedule(schedule, 4, 8)
+    bw, lat = H800.link(False)
+
+    def ring(values: float, g: int) -> float:
+        return values * 2 * (g - 1) / g / bw + lat
+
+    def worst(group: int) -> float:  # the most loaded rank: its stages' all-gathers, one after the other
+        return max(sum(ring(sum(i.params for i in stages[s]), group) for _, s in sched.local_stages(r))
+                   for r in range(4))
+
+    assert param_gather_time(fsdp, H800, stages, sched) == pytest.approx(worst(2), rel=1e-12)  # dp, not copies x dp
+    assert param_gather_time(zero1, H800, stages, sched) == pytest.approx(worst(2 * copies), rel=1e-12)
+    assert param_gather_time(replace(fsdp, zero=0), H800, stages, sched) == 0.0
+    # memory: the runtime keeps FSDP stages unsharded for the step, so the peak is ZeRO-1's
+    a, b = estimate(llama, H800, zero1), estimate(llama, H800, fsdp)
+    assert a.memory_gb == b.memory_gb
+
+
+def test_fsdp_is_runnable_exactly_where_the_runtime_runs_it(llama, v3):
+    dense = Strategy(4, "1f1b", 8, dp=2, zero=3)
+    assert launch(dense)["dp_mode"] == "fsdp"
+    assert unrunnable_reasons(dense) == [] and estimate(llama, H800, dense).runnable
+    moe = Strategy(4, "1f1b", 8, ep=2, dp=4, zero=3)
+    assert unrunnable_reasons(moe) == [
+        "dp_mode 'fsdp' (zero 3) with ep 2 is not run by the runtime (with expert parallelism: allreduce, zero1, "
+        "allreduce_bf16)"]
+    # DeepSeek-V3's MTP ties the embedding of the first stage to the last: the runtime refuses fsdp there
+    est = estimate(v3, H800, Strategy(16, "1f1b", 64, ep=1, dp=8, dtype="fp8", zero=3))
+    assert est.tied_across_stages and est.unrunnable == [
+        "dp_mode 'fsdp' (zero 3) cannot reduce weights tied across stages (the MTP module's embedding): the runtime "
+        "refuses it (with tied weights: allreduce, zero1, allreduce_bf16)"]
+    assert short_reason(est.unrunnable) == "no: dp_mode"
+    assert estimate(v3, H800, Strategy(16, "1f1b", 64, ep=1, dp=8, dtype="fp8", zero=1)).runnable
+    assert unrunnable_reasons(replace(dense, zero=2)) == ["zero 2 is not run by the runtime (runnable: 0, 1, 3)"]
+    assert runnable_module.demo_command(launch(dense)) is None  # the demo's stages are not fully_shard-ed
+    assert runnable_module.zero_from_config(2) == 1 and runnable_module.zero_from_config(3) == 3
+    with pytest.raises(ValueError, match=r"^zero_state 4 is not a ZeRO stage; allowed: 0, 1, 2 \(run as 1\), 3$"):
+        runnable_module.zero_from_config(4)

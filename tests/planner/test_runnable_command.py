@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mt_dualpipe.cli import main
+from mt_dualpipe.parallel.modes import DP_MODES
 from mt_dualpipe.planner import runnable as runnable_module
 from mt_dualpipe.planner.runnable import DEMO, demo_command, unrunnable_reasons
 
@@ -104,7 +105,27 @@ def test_plan_json_gives_no_command_to_what_the_runtime_cannot_run(tmp_path, mon
 @pytest.mark.parametrize("knob", ["dp_mode", "recompute"])
 def test_every_runtime_value_is_a_demo_choice(knob):
     demo = _demo()
-    values = runnable_module.RUNTIME_DP_MODES if knob == "dp_mode" else runnable_module.RUNTIME_RECOMPUTE
+    # every mode of the table but fully_shard's (the demo's stages are not wrapped; demo_command gives None)
+    values = ([m for m, spec in DP_MODES.items() if not spec.needs_fully_shard] if knob == "dp_mode"
+              else runnable_module.RUNTIME_RECOMPUTE)
     for value in values:
         args = demo.parse_args([f"--{knob.replace('_', '-')}", value])
         assert getattr(args, knob) == value
+
+
+def test_plan_zero3_marks_fsdp_runnable_exactly_where_the_runtime_runs_it(tmp_path):
+    dense = tmp_path / "llama2-7b.json"
+    dense.write_text(json.dumps({"model_name": "llama2-7b", "hidden_size": 4096, "num_layers": 32,
+                                 "ffn_hidden_size": 11008, "vocab_size": 32000, "num_attention_heads": 32}))
+    out = tmp_path / "dense.json"
+    assert main(["plan", "--model", str(dense), "--gpus", "32", "--global-batch", "64", "--pp", "4",
+                 "--schedules", "1f1b,zbv", "--zero", "3", "--top", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["configurations"]
+    assert rows and all(r["launch"]["dp_mode"] == "fsdp" and r["runnable"] and r["command"] is None for r in rows)
+    moe = _plan(tmp_path, "--zero", "3")  # DeepSeek-V3: expert parallelism and the MTP's tied embedding
+    rows = moe["configurations"] + moe["over_memory"]
+    assert rows and all(not r["runnable"] and r["command"] is None for r in rows)
+    for r in rows:
+        tied = [u for u in r["unrunnable"] if "tied across stages" in u]
+        with_ep = [u for u in r["unrunnable"] if "with ep" in u]
+        assert tied and bool(with_ep) == (r["ep"] > 1)

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mt_dualpipe.parallel import ZeroOptimizer, init_parallel
+from mt_dualpipe.parallel.stage_sync import DP_MODES
 from mt_dualpipe.runtime import DualPipe, DualPipeV, Pipeline, defer_weight_grads
 from mt_dualpipe.schedules.registry import schedule_info
 from tests.helpers.dist import run_ranks
@@ -39,7 +40,7 @@ def _build(name: str, mode: str, deferred: bool = True):
         defer_weight_grads(model)
     local = [(c, s) for c, chain in enumerate(placement) for s, r in enumerate(chain) if r == pp]
     modules = [model[s] for _, s in local]
-    if mode == "fsdp":
+    if DP_MODES[mode].needs_fully_shard:
         modules = [fully_shard(m, mesh=dims.submesh("dp")) for m in modules]
     if name == "dualpipe":
         pipe = DualPipe(tuple(modules), mesh=dims, dp_mode=mode, dp_batch="local")
@@ -132,7 +133,7 @@ def _state_bytes(opt) -> int:
 
 def _adam_worker(rank: int, world: int, name: str, mode: str) -> dict:
     dims, pipe, placement, local, blocks = _build(name, mode)
-    if mode == "zero1":
+    if DP_MODES[mode].zero_optimizer:
         opts = [ZeroOptimizer.for_module(m, s, adamw) for m, s in zip(pipe.module, pipe.stage_syncs)]
     else:
         opts = [make_optimizer("adamw", list(m.parameters())) for m in pipe.module]
@@ -149,24 +150,28 @@ def _adam_worker(rank: int, world: int, name: str, mode: str) -> dict:
         for a, b in zip(m.parameters(), ref[s].parameters()):
             a = a.full_tensor() if isinstance(a, DTensor) else a
             diff = max(diff, (a.detach() - b).abs().max().item())
-    state = sum(o.state_bytes() if mode == "zero1" else _state_bytes(o) for o in opts)
+    state = sum(o.state_bytes() if DP_MODES[mode].zero_optimizer else _state_bytes(o) for o in opts)
     full = sum(2 * p.numel() * 8 for (_, s) in local for p in ref[s].parameters())  # exp_avg + exp_avg_sq, fp64
     return {"diff": diff, "state": state, "full": full}
 
 
-DP_MODES = ("allreduce", "zero1", "fsdp")
-
-
 def _adam_every_mode(rank: int, world: int, name: str) -> dict:
-    """Every dp_mode in one spawn (process start-up dominates a case)."""
+    """Every dp_mode of the table in one spawn (process start-up dominates a case)."""
     return {mode: _adam_worker(rank, world, name, mode) for mode in DP_MODES}
 
 
-def test_zero1_and_fsdp_equal_allreduce_after_three_adamw_steps() -> None:
+# allreduce_bf16 sends float64 gradients as bfloat16 (8 significant bits): after 3 AdamW steps at
+# lr 0.05 its parameters differ from the reference (it did compress) by 8.6e-4 at most here
+TOLERANCE = {"allreduce_bf16": (1e-9, 5e-3)}
+
+
+def test_every_dp_mode_equals_one_process_after_three_adamw_steps() -> None:
     out = run_ranks(_adam_every_mode, 4, "zb-h1", timeout=240)
-    for mode in DP_MODES:
-        assert max(o[mode]["diff"] for o in out) < 1e-10, (mode, [o[mode]["diff"] for o in out])
+    for mode, spec in DP_MODES.items():
+        low, high = TOLERANCE.get(mode, (0.0, 1e-10))
+        diffs = [o[mode]["diff"] for o in out]
+        assert all(low <= d < high for d in diffs), (mode, diffs)
         for o in out:
             ratio = o[mode]["state"] / o[mode]["full"]
-            expect = 1.0 if mode == "allreduce" else 1.0 / DP
+            expect = 1.0 / DP if spec.shards_optimizer_state else 1.0
             assert abs(ratio - expect) < 0.05, (mode, o[mode])  # the rest: AdamW's per-parameter step counters

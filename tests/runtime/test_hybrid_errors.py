@@ -46,7 +46,7 @@ def test_bad_input_messages() -> None:
     for rank, o in enumerate(out):
         assert o["mesh_size"] == "world size 4 != pp*dp*ep*tp = 3*1*1*1 = 3"
         assert o["inconsistent"] == "the mesh has 4 ranks but pp*dp*ep*tp = 2*1*1*1 = 2; build it with init_parallel"
-        assert o["mode"] == "unknown dp_mode 'zero2'; allowed: allreduce, zero1, fsdp"
+        assert o["mode"] == "unknown dp_mode 'zero2'; allowed: allreduce, zero1, fsdp, allreduce_bf16"
         assert o["no_mesh"] == "dp_mode='zero1' needs mesh= (mt_dualpipe.parallel.init_parallel(pp=..., dp=...))"
         pp, name = rank // 2, f"pipeline rank {rank // 2} (global rank {rank})" if rank else "rank 0"
         assert o["fsdp_plain"] == (f"{name}, stage (chain 0, stage {pp}): dp_mode='fsdp' needs stage modules wrapped "

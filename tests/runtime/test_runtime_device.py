@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mt_dualpipe.runtime.device import StreamSync, backend_for, module_device, try_import_musa
+from mt_dualpipe.parallel.device import backend_for, module_device, try_import_musa
+from mt_dualpipe.runtime.streams import StreamSync
 
 
 def test_backend_for_each_device_type():

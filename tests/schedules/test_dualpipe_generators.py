@@ -14,7 +14,7 @@ from mt_dualpipe.schedules import (
     simulate,
     validate,
 )
-from mt_dualpipe.schedules.interchange import schedule_to_dict
+from mt_dualpipe.schedules.ir import schedule_to_dict
 from tests.helpers.schedules import unit
 
 GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden"

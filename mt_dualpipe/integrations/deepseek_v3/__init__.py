@@ -25,8 +25,9 @@ Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3
 """
 
 from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
-from .config import DeepSeekV3Config, YarnScaling
+from .config import DeepSeekV3Config
 from .expert_parallel import fresh_mesh_group, mesh_ep_group
+from .layout import parse_layout, stage_layer_ids
 from .model import Block, DeepSeekV3Model, LossParts, MTPModule, expert_load_names, language_model_losses
 from .moe import MoE, dropped_fraction, mark_expert_weights, max_violation, set_aux_loss_scale, update_expert_bias
 from .stages import (
@@ -34,13 +35,12 @@ from .stages import (
     build_stages,
     criterion_for,
     dualpipe_stage_ids,
-    parse_layout,
-    stage_layer_ids,
     stages_for_rank,
     sync_expert_load,
     sync_replicas,
     v_stage_ids,
 )
+from .yarn import YarnScaling
 
 overlapped_forward_backward = DeepSeekV3Stage.overlapped_forward_backward
 

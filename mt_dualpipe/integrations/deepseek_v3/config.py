@@ -13,54 +13,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..balancing import PRIORITIES, strategy_overrides
+from .hf_config import config_kwargs_from_hf, config_to_hf, read_config_json
+from .yarn import YarnScaling
+
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN rope scaling (Peng et al. 2023) as the released DeepSeek-V3 config and transformers define it.
-
-    ``factor`` stretches the context from ``original_max_position_embeddings``; frequencies whose
-    wavelength fits fewer than ``beta_slow`` rotations are interpolated, more than ``beta_fast``
-    extrapolated, a linear ramp in between. ``attention_factor`` scales cos/sin (None: derived from
-    ``mscale`` / ``mscale_all_dim``); a non-zero ``mscale_all_dim`` also multiplies the softmax
-    scale by ``(0.1·mscale_all_dim·ln(factor) + 1)²``.
-    """
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.factor >= 1:
-            raise ValueError(f"rope_scaling.factor must be >= 1, got {self.factor}")
-        if self.original_max_position_embeddings < 1:
-            raise ValueError("rope_scaling.original_max_position_embeddings must be >= 1, got "
-                             f"{self.original_max_position_embeddings}")
-
-    @staticmethod
-    def mscale_of(factor: float, mscale: float = 1.0) -> float:
-        """YaRN's magnitude correction 0.1·mscale·ln(factor) + 1 (1 when not stretched)."""
-        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-    def cos_sin_factor(self) -> float:
-        """The factor transformers applies to cos and sin (its ``attention_factor``)."""
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return self.mscale_of(self.factor, self.mscale) / self.mscale_of(self.factor, self.mscale_all_dim)
-        return self.mscale_of(self.factor)
-
-    def softmax_factor(self) -> float:
-        """What multiplies the attention softmax scale: mscale(factor, mscale_all_dim)² when set."""
-        return self.mscale_of(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
-
 
 _YARN_671B = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                          mscale=1.0, mscale_all_dim=1.0)
@@ -168,8 +126,6 @@ class DeepSeekV3Config:
         self._check_balancing()
 
     def _check_balancing(self) -> None:
-        from ..balancing import PRIORITIES
-
         if self.batch_balance_loss_weight < 0 or self.balance_loss_weight < 0 or self.bias_update_speed < 0:
             raise ValueError("balance_loss_weight, batch_balance_loss_weight and bias_update_speed must be >= 0")
         if self.capacity_factor < 0:
@@ -193,8 +149,6 @@ class DeepSeekV3Config:
 
     def with_balance(self, name: str) -> DeepSeekV3Config:
         """This config with the expert-balancing strategy ``name`` (``balancing.STRATEGIES``)."""
-        from ..balancing import strategy_overrides
-
         return replace(self, **strategy_overrides(name))
 
     def _check_routing(self) -> None:
@@ -258,16 +212,12 @@ class DeepSeekV3Config:
         not know raises ``ValueError`` naming it. ``overrides`` set training-only fields
         (``mtp_loss_weight``, ...) or replace read ones.
         """
-        from .hf_config import config_kwargs_from_hf, read_config_json
-
         data = read_config_json(source) if not isinstance(source, dict) else source
         kwargs = config_kwargs_from_hf(data)
         return cls(**{**kwargs, **overrides})
 
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` dict (model_type ``deepseek_v3``) describing this model."""
-        from .hf_config import config_to_hf
-
         return config_to_hf(self)
 
     def replace(self, **changes: Any) -> DeepSeekV3Config:

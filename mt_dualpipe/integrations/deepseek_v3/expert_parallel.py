@@ -9,61 +9,29 @@ which is what makes ep=N results match ep=1. Combine is the exact reverse.
 ``all_to_all`` is differentiable (its backward is the reverse all-to-all); ``start_all_to_all``
 is the non-blocking form used by the overlapped forward/backward. Both work on gloo.
 
-Every wait is bounded by the MoE layer's ``ep_timeout`` seconds (``set_timeout`` changes it; default
+Every wait is bounded by the MoE layer's ``ep_timeout`` seconds (``moe.set_timeout`` changes it; default
 300 s, the pipeline's default): an all-to-all whose partner rank failed or hangs raises
 ``PipelineTimeoutError`` naming the rank, the EP group size and the exchange (dispatch counts,
 dispatch, combine, or the backward of one) instead of blocking forever, so a fault on one rank
 reaches ``Rewind``'s agreement on every rank. On gloo a timed-out collective leaves the group out
 of step (the late partner's next all-to-all matches the abandoned one): after such a failure give
-the MoE layers a fresh EP group (``set_ep_group``), as the example's rebuild does.
+the MoE layers a fresh EP group (``moe.set_ep_group``), as the example's rebuild does.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from ...runtime.errors import PipelineCommError, PipelineTimeoutError
+from ..fp8.quantize import E4M3, TILE, QTensor, dequantize, quantize_tiles
 
 DEFAULT_TIMEOUT = 300.0
-
-
-def set_timeout(module: nn.Module | Sequence[nn.Module], seconds: float) -> int:
-    """Bound every expert all-to-all wait of the MoE layers under ``module`` (a model, a stage or a list
-    of stages) to ``seconds``; returns how many layers changed. Keep it at most the pipeline's timeout,
-    so ``Rewind``'s agreement, which waits the pipeline's timeout + 60 s, outlasts it. The bound is
-    each layer's own ``ep_timeout`` (instance state: two models in one process do not share it)."""
-    from .moe import moe_layers
-
-    seconds = float(seconds)
-    if not seconds > 0:
-        raise ValueError(f"the expert all-to-all timeout must be positive, got {seconds!r}")
-    layers = moe_layers(module if isinstance(module, nn.Module) else nn.ModuleList(module))
-    for m in layers:
-        m.ep_timeout = seconds
-    return len(layers)
-
-
-def set_ep_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
-    """Point every MoE layer under ``module`` (a module or a list of stage modules) at ``group``, e.g. a
-    fresh group over the same ranks after a failed all-to-all; returns how many layers changed. The
-    group must have the size the experts were sharded for."""
-    from .moe import MoE
-
-    mods = module if isinstance(module, nn.Module) else nn.ModuleList(module)
-    layers = [m for m in mods.modules() if isinstance(m, MoE)]
-    for m in layers:
-        if ep_size(group) != ep_size(m.ep_group):
-            raise ValueError(f"the new EP group has {ep_size(group)} ranks, the experts are sharded over "
-                             f"{ep_size(m.ep_group)}")
-        m.ep_group = group
-    return len(layers)
 
 
 def mesh_ep_group(dims: Any) -> dist.ProcessGroup | None:
@@ -221,23 +189,17 @@ def start_all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int],
 # ----- FP8 dispatch ---------------------------------------------------------------------------------------
 def fp8_row_bytes(dim: int) -> int:
     """Bytes one dispatched row takes in FP8: ``dim`` E4M3 values plus one float32 scale per 1×128 tile."""
-    from ..fp8.quantize import TILE
-
     return dim + 4 * -(-dim // TILE)
 
 
 def pack_fp8(x: torch.Tensor) -> torch.Tensor:
     """Rows quantised to E4M3 in 1×128 tiles, as uint8 rows ``[values | float32 scales]`` (one all-to-all)."""
-    from ..fp8.quantize import quantize_tiles
-
     q = quantize_tiles(x)
     return torch.cat([q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)], dim=1)
 
 
 def unpack_fp8(packed: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The rows ``pack_fp8`` packed, dequantised to ``dtype``."""
-    from ..fp8.quantize import E4M3, QTensor, dequantize
-
     data = packed[:, :dim].contiguous().view(E4M3)
     scale = packed[:, dim:].contiguous().view(torch.float32)
     return dequantize(QTensor(data, scale, "tile")).to(dtype)

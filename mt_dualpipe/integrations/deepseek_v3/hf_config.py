@@ -15,7 +15,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+from ..hf_checkpoint import check_fp8_quantization, rope_params
+from .yarn import YarnScaling
+
+if TYPE_CHECKING:  # config.py imports this module: the config class is a type hint here only
     from .config import DeepSeekV3Config
 
 # our field -> HF key (both directions)
@@ -62,11 +65,8 @@ def read_config_json(source: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
-def _rope(data: dict[str, Any]) -> tuple[float | None, Any]:
+def _rope(data: dict[str, Any]) -> tuple[float | None, YarnScaling | None]:
     """(rope_theta, YarnScaling | None) from ``rope_scaling`` (released) or ``rope_parameters`` (transformers 5)."""
-    from ..hf_checkpoint import rope_params
-    from .config import YarnScaling
-
     theta, kind, params = rope_params(data)
     if kind == "default":
         return theta, None
@@ -93,8 +93,6 @@ def _check_required(data: dict[str, Any]) -> None:
                          f"(num_key_value_heads must equal num_attention_heads={data.get('num_attention_heads')})")
     quant = data.get("quantization_config")
     if quant is not None:
-        from ..hf_checkpoint import check_fp8_quantization
-
         check_fp8_quantization(quant)
 
 
@@ -126,7 +124,7 @@ def config_kwargs_from_hf(data: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _yarn_to_hf(yarn: Any) -> dict[str, Any]:
+def _yarn_to_hf(yarn: YarnScaling) -> dict[str, Any]:
     out: dict[str, Any] = {"type": "yarn", "factor": yarn.factor,
                            "original_max_position_embeddings": yarn.original_max_position_embeddings,
                            "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow}

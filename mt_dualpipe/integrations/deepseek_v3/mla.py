@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DeepSeekV3Config, YarnScaling
+from .config import DeepSeekV3Config
+from .yarn import YarnScaling
 
 
 class RMSNorm(nn.Module):

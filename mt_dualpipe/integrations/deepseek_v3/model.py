@@ -17,9 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..hf_checkpoint import DEFAULT_SHARD_BYTES
+from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
 from .config import DeepSeekV3Config
 from .mla import MLA, RMSNorm
-from .moe import MLP, MoE
+from .moe import MLP, Gate, MoE
 
 
 class Block(nn.Module):
@@ -39,6 +41,21 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attn(self.attn_norm(x))  # "selective" recomputes MLA.attend (mla.py) in backward
+
+    def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+        """``(module, method, tag)`` recomputed under ``policy`` (``integrations.recompute``): "selective"
+        MLA from its latents; "full" the whole dense block, or a MoE block's attention sublayer and each
+        expert (never the router or the dispatch/combine all-to-alls)."""
+        if policy == "selective":
+            yield self.attn, "attend", "latent_attention"
+        elif policy == "full" and not isinstance(self.ffn, MoE):
+            yield self, "forward", "block"
+        elif policy == "full":
+            yield self, "attention", "attention"
+            for expert in self.ffn.experts.values():
+                yield expert, "forward", "expert"
+            if self.ffn.shared_experts is not None:
+                yield self.ffn.shared_experts, "forward", "shared_expert"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attention(x)
@@ -102,8 +119,6 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
 
 def init_weights(module: nn.Module, std: float) -> None:
     """Normal(0, std) for every projection, embedding and gate (report §4.2); norms stay at one."""
-    from .moe import Gate
-
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
             nn.init.normal_(m.weight, 0.0, std)
@@ -173,8 +188,6 @@ class DeepSeekV3Model(nn.Module):
         fields (e.g. ``mtp_depth=0`` for a transformers-saved checkpoint without the MTP layer). With
         ``ep_group`` only this rank's experts are read. ``fp8``: the linears become ``FP8Linear`` (as
         ``convert_to_fp8``) and an FP8 checkpoint's E4M3 weights and scales are used as stored."""
-        from .checkpoint import build_loaded, open_checkpoint
-
         ckpt = open_checkpoint(path)
         config = DeepSeekV3Config.from_hf(ckpt.config(), **overrides)
         return build_loaded(lambda: cls(config, ep_group), ckpt, config, dtype=dtype, device=device, fp8=fp8)
@@ -185,16 +198,11 @@ class DeepSeekV3Model(nn.Module):
         most ``max_shard_size`` bytes (default 2 GiB) and ``model.safetensors.index.json``, with the
         official tensor names (the MTP module as layer ``n_layers``). ``dtype`` casts (the router stays
         float32); ``fp8`` stores the projections as E4M3 with 128×128 block ``weight_scale_inv``."""
-        from ..hf_checkpoint import DEFAULT_SHARD_BYTES
-        from .checkpoint import save_weights
-
         return save_weights(self, self.config, path, dtype=dtype, fp8=fp8,
                             max_shard_size=max_shard_size or DEFAULT_SHARD_BYTES)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under their checkpoint names (what ``save_pretrained`` writes, before any cast)."""
-        from .checkpoint import hf_state_dict
-
         return hf_state_dict(self, self.config)
 
     def num_parameters(self, part: str = "main") -> int:

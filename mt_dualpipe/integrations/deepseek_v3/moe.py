@@ -247,6 +247,34 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+def set_timeout(module: nn.Module | Sequence[nn.Module], seconds: float) -> int:
+    """Bound every expert all-to-all wait of the MoE layers under ``module`` (a model, a stage or a list
+    of stages) to ``seconds``; returns how many layers changed. Keep it at most the pipeline's timeout,
+    so ``Rewind``'s agreement, which waits the pipeline's timeout + 60 s, outlasts it. The bound is
+    each layer's own ``ep_timeout`` (instance state: two models in one process do not share it)."""
+    seconds = float(seconds)
+    if not seconds > 0:
+        raise ValueError(f"the expert all-to-all timeout must be positive, got {seconds!r}")
+    layers = moe_layers(module if isinstance(module, nn.Module) else nn.ModuleList(module))
+    for m in layers:
+        m.ep_timeout = seconds
+    return len(layers)
+
+
+def set_ep_group(module: nn.Module | Sequence[nn.Module], group: dist.ProcessGroup | None) -> int:
+    """Point every MoE layer under ``module`` (a module or a list of stage modules) at ``group``, e.g. a
+    fresh group over the same ranks after a failed all-to-all; returns how many layers changed. The
+    group must have the size the experts were sharded for."""
+    mods = module if isinstance(module, nn.Module) else nn.ModuleList(module)
+    layers = moe_layers(mods)
+    for m in layers:
+        if ep_size(group) != ep_size(m.ep_group):
+            raise ValueError(f"the new EP group has {ep_size(group)} ranks, the experts are sharded over "
+                             f"{ep_size(m.ep_group)}")
+        m.ep_group = group
+    return len(layers)
+
+
 def mark_expert_weights(module: nn.Module | Sequence[nn.Module]) -> int:
     """Mark the routed-expert parameters of every MoE layer under ``module`` as weight kind "expert"
     (``mt_dualpipe.parallel.set_weight_kind``), whatever the EP size: the pipeline then reduces their

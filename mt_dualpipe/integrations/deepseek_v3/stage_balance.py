@@ -20,6 +20,7 @@ from math import comb
 
 from ...planner.model import ModelSpec
 from .config import DeepSeekV3Config
+from .layout import parse_layout
 
 EXHAUSTIVE_LIMIT = 20000  # layouts; above this the boundary-move search runs
 LOSS_FLOPS_PER_CLASS = 5.0  # softmax cross-entropy per vocabulary entry: max, sub, exp, sum, log-sum
@@ -159,7 +160,5 @@ def balance(config: DeepSeekV3Config, placement: Sequence[Sequence[int]], seq_le
     weights = stage_weights(placement, num_microbatches_per_chain)
     if comb(config.n_layers + S - 1, S - 1) <= EXHAUSTIVE_LIMIT:
         return min((layout_cost(costs, c, weights) for c in _compositions(config.n_layers, S)), key=LayoutCost.key)
-    from .stages import parse_layout  # stages imports this module; the block-count layout is a start
-
-    starts = (_even(config.n_layers, S), parse_layout(config, S))
+    starts = (_even(config.n_layers, S), parse_layout(config, S))  # the block-count layout is a start
     return min((_improve(costs, c, weights) for c in starts), key=LayoutCost.key)

@@ -25,7 +25,6 @@ results as ``nn.Linear``; the single-process ``DeepSeekV3Model`` stays plain.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
+from ..fp8 import convert_to_fp8
+from ..recompute import apply_recompute
+from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
 from .config import DeepSeekV3Config
+from .expert_parallel import mesh_ep_group
 from .hf_names import is_fp8_weight, is_fp32_weight
+from .layout import parse_layout as parse_layout  # re-exported: it lived here before layout.py
+from .layout import stage_layer_ids
 from .mla import RMSNorm
 from .model import (
     Block,
@@ -51,55 +57,6 @@ from .model import (
 from .moe import mark_expert_weights
 from .overlap import CaptureSlot, Steps, Tape, backward_side, drive, interleave, seal
 from .stage_balance import balanced_layout
-
-
-def parse_layout(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None) -> list[int]:
-    """Blocks per stage. ``layout`` is a list of counts, or a Megatron-style string such as
-    ``"Et*2|t*2|t|tmL"`` (``|`` separates stages; ``E`` embedding, ``t`` a block, ``t*N`` N blocks,
-    ``m`` MTP, ``L`` loss — ``E`` only in the first stage, ``m``/``L`` only in the last).
-    None balances ``n_layers + mtp_depth`` units (an MTP module costs about one block) with the
-    extra units going to later stages, so the first stage also carries the embedding lightly."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if layout is None:
-        units = config.n_layers + config.mtp_depth
-        base, extra = divmod(units, num_stages)
-        counts = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
-        counts[-1] -= config.mtp_depth
-        if counts[-1] < 0:
-            base, extra = divmod(config.n_layers, num_stages)
-            counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
-        return counts
-    if isinstance(layout, str):
-        parts = layout.split("|")
-        if len(parts) != num_stages:
-            raise ValueError(f"layout {layout!r} has {len(parts)} stage(s) but {num_stages} are needed")
-        counts = []
-        for i, part in enumerate(parts):
-            n = 0
-            for tok, rep in re.findall(r"([EtmL])(?:\*(\d+))?", part):
-                if tok == "E" and i != 0:
-                    raise ValueError(f"layout {layout!r}: 'E' (embedding) may only appear in the first stage")
-                if tok in "mL" and i != num_stages - 1:
-                    raise ValueError(f"layout {layout!r}: {tok!r} may only appear in the last stage")
-                if tok == "t":
-                    n += int(rep or 1)
-            if re.sub(r"([EtmL])(\*\d+)?", "", part):
-                raise ValueError(f"layout {layout!r}: stage {i} {part!r} has characters other than E, t, m, L, *N")
-            counts.append(n)
-        layout = counts
-    counts = [int(c) for c in layout]
-    if len(counts) != num_stages or any(c < 0 for c in counts) or sum(counts) != config.n_layers:
-        raise ValueError(f"layout {list(layout)} must give {num_stages} non-negative block counts summing to "
-                         f"n_layers = {config.n_layers}")
-    return counts
-
-
-def stage_layer_ids(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None
-                    ) -> list[list[int]]:
-    counts = parse_layout(config, num_stages, layout)
-    starts = [sum(counts[:i]) for i in range(num_stages)]
-    return [list(range(s, s + c)) for s, c in zip(starts, counts)]
 
 
 class DeepSeekV3Stage(nn.Module):
@@ -134,8 +91,6 @@ class DeepSeekV3Stage(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under their Hugging Face checkpoint names (``save_pipeline_checkpoint``)."""
-        from .checkpoint import hf_state_dict
-
         return hf_state_dict(self, self.config)
 
     fp8_checkpoint_names = staticmethod(is_fp8_weight)
@@ -201,8 +156,6 @@ class DeepSeekV3Stage(nn.Module):
         Bit-identical to the forward followed by the backward."""
         back = backward_side(loss1, outputs1, output_grads1, module1.capture)
         if back is None:  # outputs not produced by a stage tape: nothing to interleave
-            from ...runtime.backward import run_backward
-
             run_backward(outputs1, output_grads1)
         outputs0 = list(module0._forward(inputs0, Tape(record=torch.is_grad_enabled()), back))
         loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
@@ -250,8 +203,6 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
     if checkpoint is not None:
         if source is not None:
             raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
-        from .checkpoint import build_loaded, open_checkpoint
-
         ckpt = open_checkpoint(checkpoint)
         stages = [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
                                ckpt, config, fp8=fp8) for i in wanted]
@@ -261,16 +212,12 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
         for st in stages:
             st.load_from(source)
     if fp8:
-        from ..fp8 import convert_to_fp8
-
         for st in stages:
             convert_to_fp8(st)
     return [_recomputed(st, recompute) for st in stages]
 
 
 def _recomputed(stage: DeepSeekV3Stage, policy: str) -> DeepSeekV3Stage:
-    from ..recompute import apply_recompute
-
     apply_recompute(stage, policy)
     mark_expert_weights(stage)  # again: checkpoint loading and FP8 conversion may have made new Parameters
     return stage
@@ -304,8 +251,6 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
     (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
     if mesh is not None:
-        from .expert_parallel import mesh_ep_group
-
         if ep_group is not None:
             raise ValueError("give stages_for_rank mesh= (the experts then shard over its ep group) or ep_group=, "
                              "not both")

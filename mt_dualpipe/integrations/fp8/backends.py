@@ -68,6 +68,7 @@ class ScaledMMGemm:
         self.fallbacks = 0  # GEMMs the kernel rejected and the emulation ran
 
     def native(self, a: QTensor, b: QTensor) -> torch.Tensor:
+        # lazy: only newer torch has these; probe_scaled_mm checks before this backend is chosen
         from torch.nn.functional import ScalingType, scaled_mm
 
         if a.kind != "tile":

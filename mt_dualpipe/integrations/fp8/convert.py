@@ -118,6 +118,7 @@ def _require(module: str, backend: str) -> None:
 
 def _convert_torchao(model: nn.Module, skip: Callable[[str, nn.Module], bool]) -> None:
     _require("torchao", "torchao")
+    # lazy: torchao is an optional FP8 backend, imported only when it is asked for
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name("rowwise")
@@ -141,6 +142,7 @@ class TransformerEngineLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> TransformerEngineLinear:
         _require("transformer_engine", "transformer_engine")
+        # lazy: transformer_engine is an optional FP8 backend, imported only when it is asked for
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8BlockScaling
 
@@ -156,7 +158,7 @@ class TransformerEngineLinear(nn.Module):
         return cls(inner, Float8BlockScaling())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import transformer_engine.pytorch as te
+        import transformer_engine.pytorch as te  # lazy: optional FP8 backend (from_linear imported it)
 
         with te.fp8_autocast(enabled=True, fp8_recipe=self._recipe):
             return self.inner(x)

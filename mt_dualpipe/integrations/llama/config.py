@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..hf_checkpoint import check_fp8_quantization, rope_params
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -130,8 +132,6 @@ class LlamaConfig:
 
 
 def _rope(data: dict[str, Any]) -> tuple[float | None, Llama3RopeScaling | None]:
-    from ..hf_checkpoint import rope_params
-
     theta, kind, params = rope_params(data)
     if kind == "default":
         return theta, None
@@ -155,8 +155,6 @@ def _kwargs_from_hf(data: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config field {key}={data[key]!r} is not supported: this Llama implementation runs "
                              f"{key}={want!r} only")
     if data.get("quantization_config") is not None:
-        from ..hf_checkpoint import check_fp8_quantization
-
         check_fp8_quantization(data["quantization_config"])
     kwargs = {k: v for k, v in data.items() if k in own and v is not None}
     theta, scaling = _rope(data)

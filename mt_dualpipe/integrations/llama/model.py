@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..deepseek_v3.mla import RMSNorm, apply_rope, compute_dtype
+from ..deepseek_v3.model import deferred_init
+from .checkpoint import build_loaded, open_checkpoint, save_weights
 from .config import Llama3RopeScaling, LlamaConfig
 
 
@@ -103,6 +106,15 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+        """``(module, method, tag)`` recomputed under ``policy`` (``integrations.recompute``): "selective"
+        the core attention and the SwiGLU product (Megatron's selective recompute); "full" the layer."""
+        if policy == "full":
+            yield self, "forward", "layer"
+        elif policy == "selective":
+            yield self.self_attn, "core", "core_attention"
+            yield self.mlp, "act", "swiglu"
+
 
 class LlamaBody(nn.Module):
     """transformers' ``LlamaModel`` part (``model.*`` names): embedding, some layers, maybe the final norm."""
@@ -133,8 +145,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        from ..deepseek_v3.model import deferred_init
-
         self.config = config
         with deferred_init():
             self.model = LlamaBody(config, range(config.num_hidden_layers), embed=True, norm=True)
@@ -165,8 +175,6 @@ class LlamaForCausalLM(nn.Module):
                         device: torch.device | str = "cpu", fp8: bool = False, **overrides: Any) -> LlamaForCausalLM:
         """A model from a Hugging Face Llama checkpoint (bf16, fp32 or block-scaled FP8); ``fp8`` converts
         the linears to ``FP8Linear`` first (FP8 weights then kept as stored)."""
-        from .checkpoint import build_loaded, open_checkpoint
-
         ckpt = open_checkpoint(path)
         config = LlamaConfig.from_hf(ckpt.config(), **overrides)
         return build_loaded(lambda: cls(config), ckpt, dtype=dtype, device=device, fp8=fp8)
@@ -174,8 +182,6 @@ class LlamaForCausalLM(nn.Module):
     def save_pretrained(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None, fp8: bool = False,
                         max_shard_size: int | None = None) -> Path:
         """config.json, safetensors shards and index with transformers' names (no ``lm_head`` when tied)."""
-        from .checkpoint import save_weights
-
         return save_weights(self, path, dtype=dtype, fp8=fp8, max_shard_size=max_shard_size)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

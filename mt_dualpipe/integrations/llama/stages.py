@@ -19,6 +19,9 @@ from torch import nn
 
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ..deepseek_v3.model import deferred_init
+from ..fp8 import convert_to_fp8
+from ..recompute import apply_recompute, check_policy
+from .checkpoint import build_loaded, is_fp8_weight, open_checkpoint
 from .config import LlamaConfig
 from .model import LlamaBody, init_llama, lm_loss
 
@@ -91,11 +94,7 @@ class LlamaStage(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state_dict())
 
-    @staticmethod
-    def fp8_checkpoint_names(name: str) -> bool:
-        from .checkpoint import is_fp8_weight
-
-        return is_fp8_weight(name)
+    fp8_checkpoint_names = staticmethod(is_fp8_weight)
 
 
 def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | None = None, *,
@@ -106,8 +105,6 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
     Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``fp8`` converts the
     linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored). ``recompute``:
     ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``)."""
-    from ..recompute import apply_recompute, check_policy
-
     check_policy(recompute)
     if source is not None and checkpoint is not None:
         raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
@@ -118,8 +115,6 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
         return LlamaStage(config, i, num_stages, ids[i], defer_weight_grads)
 
     if checkpoint is not None:
-        from .checkpoint import build_loaded, open_checkpoint
-
         ckpt = open_checkpoint(checkpoint)
         stages = [build_loaded(lambda i=i: make(i), ckpt, fp8=fp8) for i in wanted]
         for st in stages:
@@ -130,8 +125,6 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
         if source is not None:
             st.load_from(source)
         if fp8:
-            from ..fp8 import convert_to_fp8
-
             convert_to_fp8(st)
         apply_recompute(st, recompute)
     return stages

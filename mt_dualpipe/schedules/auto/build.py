@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from ..costs import Costs
 from ..errors import ScheduleError
+from ..info import ScheduleInfo
 from ..ir import Schedule
-from ..registry import register
+from .cpsat import load_cp_model, solve
 from .layout import Layout
 from .search import Search, check_options, heuristic
 
@@ -25,8 +26,6 @@ def _check_solver(solver: object, time_limit: object) -> None:
 
 def _polish(search: Search, seed: int, time_limit: float, floor: float) -> dict:
     """Run CP-SAT from the heuristic's best; keep its order if the simulator confirms it is better."""
-    from .cpsat import solve
-
     best = search.best_ordered or search.best
     got = solve(search.layout, search.costs, search.limits, best.ranks, best.makespan, time_limit, seed, floor)
     if got.ranks is not None:
@@ -35,11 +34,6 @@ def _polish(search: Search, seed: int, time_limit: float, floor: float) -> dict:
             "solver_proved": got.proved, **{f"solver_{k}": v for k, v in got.stats.items()}}
 
 
-@register("auto", "cost-aware search (list scheduling + local search, optional CP-SAT) under a per-rank "
-          "activation limit",
-          "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual, "
-          "solver heuristic|cpsat, chains, workers",
-          placement="option")
 def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None,
                memory_limit: int | Sequence[int] | None = None, placement: str = "linear", seed: int = 0,
                time_budget: float | None = None, iterations: int | None = None, solver: str = "heuristic",
@@ -76,8 +70,6 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     check_options(costs, seed, time_budget, iterations, chains, workers)
     _check_solver(solver, time_limit)
     if solver == "cpsat":
-        from .cpsat import load_cp_model
-
         load_cp_model()  # fail before searching when OR-Tools is missing
     layout = Layout.named(placement, num_ranks, num_microbatches)
     started = time.perf_counter()
@@ -101,3 +93,14 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         **extra,
     }
     return sched
+
+
+SCHEDULES = (
+    ScheduleInfo("auto", "cost-aware search (list scheduling + local search, optional CP-SAT) under a per-rank "
+                 "activation limit",
+                 "any P >= 1, M >= 1 (dual: M >= 2); costs, memory_limit, placement linear|v|dual, "
+                 "solver heuristic|cpsat, chains, workers",
+                 placement="option",
+                 build=build_auto),
+)
+"""This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

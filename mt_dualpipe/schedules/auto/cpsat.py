@@ -50,7 +50,7 @@ SCALES = (1, 2, 4, 5, 8, 10, 20, 25, 50, 100, 1000)
 def load_cp_model():
     """The ``ortools.sat.python.cp_model`` module, or a ``ScheduleError`` saying how to install it."""
     try:
-        from ortools.sat.python import cp_model
+        from ortools.sat.python import cp_model  # lazy: OR-Tools is optional (the cpsat extra)
     except ImportError as exc:
         raise ScheduleError(INSTALL_HINT) from exc
     return cp_model

@@ -48,11 +48,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from .. import dualpipe, gpipe, one_f_one_b, zero_bubble
 from ..costs import Costs, StageCosts
 from ..errors import ScheduleError
 from ..ir import ComputeItem, Schedule
 from ..ops import OpTable
-from ..registry import build_schedule
 from ..simulate import run_schedule
 from .bound import lower_bound
 from .chains import ChainJob, Chains, default_workers
@@ -77,6 +77,8 @@ from .policies import Policy, fb_policies, policies
 from .repair import pair_strays, relist_cooldown
 
 HAND_SCHEDULES = {"linear": ("1f1b", "zb-h1", "zb-h2", "gpipe"), "v": ("zbv", "dualpipev"), "dual": ("dualpipe",)}
+_HAND_BUILDERS = {info.name: info.build for family in (one_f_one_b, zero_bubble, gpipe, dualpipe)
+                  for info in family.SCHEDULES}  # the families themselves: the registry sits above auto
 """The hand schedules ``auto`` starts from and must never lose to, per placement."""
 
 Ranks = list[list[ComputeItem]]
@@ -141,7 +143,7 @@ def hand_candidates(layout: Layout, costs: Costs) -> list[Hand]:
     found = []
     for name in HAND_SCHEDULES[layout.name]:
         try:
-            sched = build_schedule(name, layout.P, layout.M)
+            sched = _HAND_BUILDERS[name](layout.P, layout.M)
             res = run_schedule(sched, costs, record=False)
         except Exception:  # noqa: BLE001 - a family that is missing or rejects (P, M) is just not a candidate
             continue
