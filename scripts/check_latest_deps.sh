@@ -8,7 +8,7 @@
 #
 # It builds a throw-away virtual environment, installs torch==2.13.0 (the CPU build; the library's torch
 # range is not what this checks) and then ".[test,dev]" with no constraints, prints each package whose
-# newest release differs from requirements/test-constraints.txt, and runs ruff and the tests there.
+# newest release differs from requirements/test-constraints.txt, and runs ruff, mypy and the tests there.
 # To bump the pins: run it with --write (it writes only after every step passed), then run .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +39,7 @@ echo "newest releases against $CONSTRAINTS:"
 "$py" -m pip freeze --exclude-editable | "$py" scripts/compare_pins.py "$CONSTRAINTS"
 
 "$py" -m ruff check .
+"$py" -m mypy  # a newer mypy may read the typed contracts more strictly
 if [[ $all == 1 ]]; then
   "$py" -m pytest -q tests
 else

@@ -287,6 +287,7 @@ class CheckpointManager:
 
     def _finish(self) -> int:
         """Wait for the commit of the write in flight (already done when ``poll`` calls it)."""
+        assert self._pending is not None  # poll() and wait() call this only with a write in flight
         step, _, done = self._pending
         self._pending = self._pending_snapshot = None
         done.result()  # raises the write's or the commit's CheckpointError

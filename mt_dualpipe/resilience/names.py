@@ -45,6 +45,7 @@ def stage_prefixes(pipeline: Any, modules: Sequence[nn.Module]) -> list[str] | N
 def _optimizer_keys(optimizer: Any, state: dict[str, Any], by_id: dict[int, str]) -> dict[Hashable, str] | None:
     """State key -> global parameter name, or None when some key has no name."""
     keys = list(state.get("state", {}))
+    out: dict[Hashable, str | None]
     if isinstance(optimizer, ZeroOptimizer):
         out = {n: by_id.get(id(p)) for n, p in zip(optimizer.names, optimizer.params)}
     elif isinstance(optimizer, torch.optim.Optimizer):
@@ -54,7 +55,7 @@ def _optimizer_keys(optimizer: Any, state: dict[str, Any], by_id: dict[int, str]
         out = _PipelineNames()
     if any(out.get(k) is None for k in keys):
         return None
-    return out
+    return out  # type: ignore[return-value]  # every key the state uses has a name (checked above)
 
 
 class _PipelineNames(dict):

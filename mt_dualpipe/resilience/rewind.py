@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -232,10 +232,13 @@ class Rewind:
         self.num_chunks = cfg.num_chunks
         self.criterion = cfg.criterion
         self.modules = _local_modules(pipeline, cfg.modules)
-        self.snapshot_every, self.keep, self.checkpoint_every = cfg.snapshot_every, cfg.keep, cfg.checkpoint_every
+        self.snapshot_every, self.keep = cfg.snapshot_every, cfg.keep
+        self.checkpoint_every: int = cfg.checkpoint_every or cfg.snapshot_every  # __post_init__ set it
         self.max_retries, self.skip_policy = cfg.max_retries, cfg.skip_policy
         rebuild = _auto_rebuild(pipeline) if cfg.rebuild == "auto" else cfg.rebuild
-        self.rebuild, self.grad_hook, self.sync_mirrored = rebuild, cfg.grad_hook, cfg.sync_mirrored
+        assert not isinstance(rebuild, str)  # RewindConfig accepts no other string than "auto"
+        self.rebuild: Callable[[Any], Any] | None = rebuild
+        self.grad_hook, self.sync_mirrored = cfg.grad_hook, cfg.sync_mirrored
         self.stateful = dict(cfg.stateful or {})
         self.check_inputs = cfg.check_inputs
         self.overlap_optimizer = cfg.overlap_optimizer
@@ -262,7 +265,7 @@ class Rewind:
         self.events: list[FaultEvent] = []
         self.counters: Counter[str] = Counter()
         # seconds the training thread spent in Rewind's own work: checks, agreement, snapshot, checkpoint, rewind
-        self.seconds: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self._streak = 0          # consecutive faults
         self._streak_step = -1    # the step of the last fault
         self.snapshots: list[Snapshot] = []
@@ -276,6 +279,7 @@ class Rewind:
             self._snapshot()
 
     def _open_checkpoints(self, cfg: RewindConfig, ranks: list[int] | None, timeout: float) -> None:
+        assert cfg.checkpoint_dir is not None  # only called with one
         faults = cfg.faults
         self.checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.keep_checkpoints, ranks, timeout,
                                              before_commit=faults.before_commit if faults else None)

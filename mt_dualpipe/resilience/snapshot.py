@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+np: Any
 try:  # numpy is optional for the library; its generator is captured when present
     import numpy as np
 except ImportError:  # pragma: no cover - numpy is installed in CI
