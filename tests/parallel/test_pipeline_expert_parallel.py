@@ -114,7 +114,8 @@ def test_pp2_ep2_one_sgd_step_equals_single_process() -> None:
 
 
 def _both_modes(rank: int, world: int, name: str) -> dict:
-    return {mode: _worker(rank, world, name, 1, 2, mode, "adamw", 2) for mode in ("allreduce", "zero1")}
+    modes = ("allreduce", "zero1", "allreduce_bf16")
+    return {mode: _worker(rank, world, name, 1, 2, mode, "adamw", 2) for mode in modes}
 
 
 def test_zero1_shards_each_kind_over_its_group_and_equals_single_process_adamw() -> None:
@@ -123,6 +124,8 @@ def test_zero1_shards_each_kind_over_its_group_and_equals_single_process_adamw()
     for rank, o in enumerate(out):
         for mode in ("allreduce", "zero1"):
             assert o[mode]["diff"] < 1e-10, (mode, o[mode]["diff"])
+        assert 1e-9 < o["allreduce_bf16"]["diff"] < 5e-3, o["allreduce_bf16"]["diff"]  # bfloat16 on the wire
+        assert o["allreduce_bf16"]["groups"] == o["allreduce"]["groups"]
         assert o["zero1"]["groups"] == _expected_groups("dualpipe", rank, 1, 2)
         # dense and expert parameters are the same size here: (1/4 + 1/2) / 2 of the moments, + step counters
         assert o["zero1"]["state"] < 0.45 * o["allreduce"]["state"], o
