@@ -75,7 +75,7 @@ class FSDPStageSync:
             raise ValueError(f"every parameter must be an FSDP2-sharded DTensor on one mesh; plain: {plain}, "
                              f"meshes: {len(meshes)}")
         self.mesh = next(iter(meshes.values()))
-        wrong = [n for n, p in sharded if tuple(p.placements) != (Shard(0),)]
+        wrong = [n for n, p in sharded if isinstance(p, DTensor) and tuple(p.placements) != (Shard(0),)]
         if self.mesh.ndim != 1 or wrong:
             raise ValueError(f"only a 1-D mesh with Shard(0) placements is supported (no HSDP / shard_placement_fn); "
                              f"mesh ndim {self.mesh.ndim}, other placements: {wrong}")
@@ -98,6 +98,7 @@ class FSDPStageSync:
         self.bucket_bytes = bucket_bytes
         self.key = tuple(key)  # names its group for resilience.regroup (unique within the pipeline rank)
         self._pending: tuple[ShardLayout, list[torch.Tensor], list[dist.Work]] | None = None
+        self._fulls: list[torch.Tensor] = []
         self._synced = False
         self.collectives_posted = 0
         self.buckets = 0  # buckets of the last reduction (the layout is made from the unsharded gradients)
@@ -130,7 +131,7 @@ class FSDPStageSync:
 
     def _unsharded_grads(self) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
         got = dict(self.module.named_parameters())
-        out = []
+        out: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         for n in self.names:
             p = got[n]
             if isinstance(p, DTensor):
@@ -180,6 +181,7 @@ class FSDPStageSync:
             shards[b].div_(self.divide_by)
             for s, local in zip(bucket.slots, layout.shard_views(b, shards[b], self.rank)):
                 p = params[self.names[s.index]]
+                assert isinstance(p, DTensor)  # resharded at start(): FSDP's Shard(0) parameter again
                 if p.to_local().shape != local.shape:
                     raise RuntimeError(f"parameter {self.names[s.index]!r}: FSDP's local shard is "
                                        f"{tuple(p.to_local().shape)} but dim-0 chunking gives {tuple(local.shape)}")

@@ -37,7 +37,7 @@ refused by the runtime (``runtime/data_parallel.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -136,6 +136,10 @@ def tensor_parallel_params(module: nn.Module) -> list[str]:
             if isinstance(p, DTensor) and tuple(p.device_mesh.mesh_dim_names or ()) == ("tp",)]
 
 
+@overload
+def local_tensor(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def local_tensor(t: None) -> None: ...
 def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
     """A DTensor's local shard (a view), any other tensor (or None) itself.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -279,7 +279,7 @@ Groups = ParallelDims | PipelineGroups
 """Where a stage's sync groups come from: the mesh, or the pipeline's own ranks without one."""
 
 
-def _needs_sync(g: SyncGroup | None) -> bool:
+def _needs_sync(g: SyncGroup | None) -> TypeGuard[SyncGroup]:
     """A group that sums over other ranks or divides (expert weights at dp=1, ep>1 still divide by ep)."""
     return g is not None and (len(g.ranks) > 1 or g.divide_by > 1)
 
@@ -304,11 +304,13 @@ def _tie_syncs(ties: list[Tie], groups: Groups, local: Sequence[tuple[int, int]]
         if not held:
             continue
         g = tie_groups.get(i)
-        group = g.group if _needs_sync(g) else None
         copies = [[params[n] for _, params in held if n in params] for n in tie.names]
-        out.append(TiedSync(copies, [cs for cs, _ in held], group, names=tie.names, bucket_bytes=bucket_bytes,
-                            mode=dp_mode if group is not None else "allreduce",
-                            divide_by=g.divide_by if group is not None else 1))
+        if _needs_sync(g):
+            sync = TiedSync(copies, [cs for cs, _ in held], g.group, names=tie.names, bucket_bytes=bucket_bytes,
+                            mode=dp_mode, divide_by=g.divide_by)
+        else:  # every copy on this rank and no replica: the local sum only
+            sync = TiedSync(copies, [cs for cs, _ in held], None, names=tie.names, bucket_bytes=bucket_bytes)
+        out.append(sync)
     return out
 
 
@@ -341,7 +343,7 @@ def build_reductions(mesh: ParallelDims | None, groups: Groups, placement: Seque
         seen.update(id(p) for p in params)
         ties_here = [t for t in tied if (c, s) in t.stages]
         if DP_MODES[dp_mode].needs_fully_shard:
-            g = by_kind["dense"].get(s)
+            g = by_kind["dense"][s]  # a mesh gives every stage its dp group
             out.syncs[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by, group=g.group,
                                               key=("stage", s, "fsdp"))
             out.params += [(f"stage{s}.{names[id(p)]}", p, None) for p in params]
@@ -350,9 +352,10 @@ def build_reductions(mesh: ParallelDims | None, groups: Groups, placement: Seque
         one_kind = by_kind["expert"] is by_kind["dense"]
         split = {"dense": params} if one_kind else {k: [p for p in params if weight_kind(p) == k] for k in KINDS}
         for kind, mine in split.items():
-            g = by_kind[kind].get(s)
-            sync = (GradSync(mine, g.group, mode=dp_mode, bucket_bytes=bucket_bytes, divide_by=g.divide_by,
-                             key=("stage", s, kind)) if mine and _needs_sync(g) else None)
+            kind_group = by_kind[kind].get(s)
+            sync = (GradSync(mine, kind_group.group, mode=dp_mode, bucket_bytes=bucket_bytes,
+                             divide_by=kind_group.divide_by, key=("stage", s, kind))
+                    if mine and _needs_sync(kind_group) else None)
             parts += [sync] if sync is not None else []
             out.params += [(f"stage{s}.{names[id(p)]}", p, sync) for p in mine]
         if len(parts) == 1 and not ties_here:
