@@ -35,11 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .layout import DEFAULT_BUCKET_BYTES, ShardLayout
+from .modes import DP_MODES
 from .stage_sync import GroupUse, SyncInfo, get_mode, group_ranks, stage_params
 from .tensor_parallel import like_param, local_tensor
 
-MODES = ("allreduce", "zero1", "allreduce_bf16")
-"""The ``DP_MODES`` that ``GradSync`` itself runs (``fsdp`` is ``FSDPStageSync``, ``fsdp.py``)."""
+MODES = tuple(m.name for m in DP_MODES.values() if not m.needs_fully_shard)
+"""The ``DP_MODES`` that ``GradSync`` itself runs: all but those of ``fully_shard`` stages (``fsdp.py``)."""
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -14,7 +14,7 @@ that the executor, the optimizer, the checkpoint code and resilience ask the sam
   ``GroupUse(key, ranks)``; ``replace_group(key, group)`` swaps one for a fresh group over the same
   ranks (``resilience.regroup``: bounded waits, a rebuild after a failed step);
 * its identity: ``mode`` (a key of ``DP_MODES``) and ``describe()`` (``SyncInfo``: what it reduces,
-  over how many ranks, divided by what), the small record checkpoints and timelines keep.
+  over which ranks, divided by what), what a log line or a test reads.
 
 ``GradSync`` (all-reduce, ZeRO-1), ``StageSync`` (a stage's weight kinds and its ties),
 ``TiedSync`` (weights tied across stages) and ``FSDPStageSync`` (``fully_shard`` stages) implement
