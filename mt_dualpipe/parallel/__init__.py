@@ -4,7 +4,8 @@
 * ``modes``: ``DP_MODES``, the data-parallel modes and what each runs with (one table, no torch);
 * ``stage_sync``: ``StageGradSync``, the contract every gradient sync implements (the executor,
   the optimizer and resilience ask only it);
-* ``mesh``: ``init_parallel(pp, dp, ep, tp)`` -> ``ParallelDims`` (groups, sub-meshes, the dense and
+* ``mesh_roles``: a user's ``DeviceMesh`` read by its dimension names (torchtitan's, Megatron's);
+* ``mesh``: ``init_parallel(pp, dp, ep, tp)`` (or ``init_parallel(mesh=user_mesh)``) -> ``ParallelDims`` (groups, sub-meshes, the dense and
   expert gradient groups, mirrored-stage groups for DualPipe);
 * ``grad_sync``: ``GradSync`` — bucketed asynchronous all-reduce / reduce-scatter of a stage's
   final gradients, posted by the schedule's REDUCE op rather than by autograd hooks;
@@ -48,6 +49,7 @@ _LAZY = {
     "ParallelDims": "mesh",
     "SyncGroup": "mesh",
     "default_device_type": "mesh",
+    "from_device_mesh": "mesh",
     "init_parallel": "mesh",
     "DP_MODES": "modes",
     "DataParallelMode": "modes",

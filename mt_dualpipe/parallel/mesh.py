@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .device import BACKENDS, backend_for, try_import_musa
+from .mesh_roles import canonical_order
 from .weight_kinds import check_kind
 
 DIMS = ("pp", "dp", "ep", "tp")
@@ -206,14 +207,20 @@ def _init_default_group(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-def init_parallel(pp: int = 1, dp: int = 1, ep: int = 1, tp: int = 1, *, backend: str | None = None) -> ParallelDims:
+def init_parallel(pp: int = 1, dp: int = 1, ep: int = 1, tp: int = 1, *, backend: str | None = None,
+                  mesh: DeviceMesh | None = None) -> ParallelDims:
     """Build the ``(pp, dp, ep, tp)`` device mesh (pp outermost, tp innermost) and its gradient groups.
 
     Collective over the default process group; initialises it from the environment (torchrun) with
     ``backend`` when it is not initialised yet. ``backend=None`` picks gloo / nccl / mccl from the
     device this process uses (``device.backend_for``); when the default group already
     exists its backend must agree with ``backend``.
+
+    ``mesh=``: a ``DeviceMesh`` the user built, read by its dimension names (``mesh_roles``:
+    torchtitan's and Megatron's); the sizes come from it and the runtime's mesh spans the same ranks.
     """
+    if mesh is not None:
+        return from_device_mesh(mesh)
     sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
     if bad:
@@ -230,6 +237,33 @@ def init_parallel(pp: int = 1, dp: int = 1, ep: int = 1, tp: int = 1, *, backend
     need = math.prod(sizes.values())
     if world != need:
         raise ValueError(f"world size {world} != pp*dp*ep*tp = {pp}*{dp}*{ep}*{tp} = {need}")
-    mesh = init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=DIMS)
+    return _dims_on(init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=DIMS), backend)
+
+
+def _dims_on(mesh: DeviceMesh, backend: str) -> ParallelDims:
+    """``ParallelDims`` of a ``(pp, dp, ep, tp)``-named mesh: its sizes and gradient groups (collective)."""
+    pp, dp, ep, tp = (int(n) for n in mesh.mesh.shape)
     return ParallelDims(pp, dp, ep, tp, mesh, backend, _grad_group(mesh.mesh, "dense", dp * ep),
                         _grad_group(mesh.mesh, "expert", dp * ep))
+
+
+def from_device_mesh(mesh: DeviceMesh) -> ParallelDims:
+    """The runtime's ``(pp, dp, ep, tp)`` mesh over the ranks of a user's ``mesh``, by its dimension names.
+
+    Collective over the world. The user's mesh is kept as it is (its process groups, what
+    ``fully_shard`` was given); the runtime builds its own mesh over the same ranks, pp outermost,
+    each role's axes in the user's order, and its gradient groups on that.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("a DeviceMesh needs torch.distributed initialised; build it after init_process_group")
+    roles = canonical_order(mesh.mesh_dim_names, tuple(mesh.mesh.shape))
+    order = [a for axes in roles.axes for a in axes]
+    order += [a for a in range(mesh.mesh.dim()) if a not in order]  # cp of size 1
+    grid = mesh.mesh.permute(order).reshape(roles.pp, roles.dp, roles.ep, roles.tp)
+    world = dist.get_world_size()
+    if sorted(int(r) for r in grid.reshape(-1).tolist()) != list(range(world)):
+        shown = ", ".join(f"{n}={s}" for n, s in zip(mesh.mesh_dim_names or (), tuple(mesh.mesh.shape)))
+        raise ValueError(f"the mesh ({shown}) spans {grid.numel()} ranks but the world has {world}: pass the whole "
+                         "mesh (the pipeline's gradient groups are built over every rank)")
+    own = DeviceMesh(mesh.device_type, grid, mesh_dim_names=DIMS)
+    return _dims_on(own, dist.get_backend())

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..parallel.device import backend_for, module_device
 from ..parallel.layout import DEFAULT_BUCKET_BYTES
-from ..parallel.mesh import ParallelDims
+from ..parallel.mesh import ParallelDims, from_device_mesh
 from ..parallel.stage_sync import GroupUse, StageGradSync, stage_params
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
@@ -95,7 +96,8 @@ class Pipeline(nn.Module):
     criterion and labels on this rank; ``split_model`` cuts a stack of layers into this rank's
     stage modules; ``rebuilt()`` gives the same pipeline on a fresh process group.
 
-    Data parallel (``data_parallel.py``): ``mesh=init_parallel(pp=P, dp=D)`` runs the schedule on
+    Data parallel (``data_parallel.py``): ``mesh=init_parallel(pp=P, dp=D)`` — or a ``DeviceMesh``
+    the user built, read by its dimension names (``parallel/mesh_roles.py``) — runs the schedule on
     the mesh's pp group (``process_group=`` stays the pp-only way) and reduces each stage's
     gradients over its data-parallel group at the stage's ``REDUCE_GRAD`` op, right after its last
     W/BW of the step, asynchronously; ``step()`` returns once every reduction is complete.
@@ -118,12 +120,14 @@ class Pipeline(nn.Module):
     def __init__(self, stage_modules: Sequence[nn.Module], schedule: str | Schedule,
                  process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
                  batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None,
-                 allow_uneven: bool = False, mesh: ParallelDims | None = None, dp_mode: str | None = None,
-                 dp_batch: str = "global", bucket_bytes: int | None = None):
+                 allow_uneven: bool = False, mesh: ParallelDims | DeviceMesh | None = None,
+                 dp_mode: str | None = None, dp_batch: str = "global", bucket_bytes: int | None = None):
         super().__init__()
         if not dist.is_initialized():
             raise PipelineError("torch.distributed is not initialized; call dist.init_process_group first")
         self.module = nn.ModuleList(stage_modules)
+        if isinstance(mesh, DeviceMesh):  # the user's own mesh, read by its dimension names (parallel/mesh_roles.py)
+            mesh = from_device_mesh(mesh)
         process_group = _pp_group(mesh, dp_mode, dp_batch, process_group)
         self.group = process_group or dist.distributed_c10d._get_default_group()
         self.num_ranks = dist.get_world_size(self.group)
@@ -507,8 +511,8 @@ class DualPipe(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0, mesh: ParallelDims | None = None, dp_mode: str | None = None,
-                 dp_batch: str = "global"):
+                 *, timeout: float = 300.0, mesh: ParallelDims | DeviceMesh | None = None,
+                 dp_mode: str | None = None, dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipe takes two modules (stage r, stage P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipe", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
@@ -552,8 +556,8 @@ class DualPipeV(Pipeline):
 
     def __init__(self, modules: tuple[nn.Module, nn.Module], batch_dim: int = 0,
                  process_group: dist.ProcessGroup | None = None, rank_mapping: Sequence[int] | None = None,
-                 *, timeout: float = 300.0, mesh: ParallelDims | None = None, dp_mode: str | None = None,
-                 dp_batch: str = "global"):
+                 *, timeout: float = 300.0, mesh: ParallelDims | DeviceMesh | None = None,
+                 dp_mode: str | None = None, dp_batch: str = "global"):
         if len(modules) != 2:
             raise PipelineError(f"DualPipeV takes two modules (stage r, stage 2P-1-r), got {len(modules)}")
         super().__init__(list(modules), "dualpipev", process_group, rank_mapping=rank_mapping, batch_dim=batch_dim,
