@@ -5,8 +5,8 @@
 * ``stage_sync``: ``StageGradSync``, the contract every gradient sync implements (the executor,
   the optimizer and resilience ask only it);
 * ``mesh_roles``: a user's ``DeviceMesh`` read by its dimension names (torchtitan's, Megatron's);
-* ``mesh``: ``init_parallel(pp, dp, ep, tp)`` (or ``init_parallel(mesh=user_mesh)``) -> ``ParallelDims`` (groups, sub-meshes, the dense and
-  expert gradient groups, mirrored-stage groups for DualPipe);
+* ``mesh``: ``init_parallel(pp, dp, ep, tp)`` (or ``init_parallel(mesh=user_mesh)``) -> ``ParallelDims``
+  (groups, sub-meshes, the dense and expert gradient groups, mirrored-stage groups for DualPipe);
 * ``grad_sync``: ``GradSync`` — bucketed asynchronous all-reduce / reduce-scatter of a stage's
   final gradients, posted by the schedule's REDUCE op rather than by autograd hooks;
 * ``weight_kinds``: ``set_weight_kind`` / ``weight_kind`` — "expert" (sharded over ep) or "dense";

@@ -96,6 +96,34 @@ def _swaps_params(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+_LOST_GRADIENTS = "None of the inputs have requires_grad=True. Gradients will be None"
+"""torch.utils.checkpoint's warning when a reentrant region's inputs need no gradient: its parameters get none."""
+
+
+@contextlib.contextmanager
+def _refusing_lost_gradients(where: str, shown: set) -> Any:
+    """Turn torch's "gradients will be None" warning of a reentrant checkpoint into an error; pass others on.
+
+    A reentrant checkpoint (``use_reentrant=True``) whose inputs do not require grad (a first
+    stage's batch, say) makes an output that does not either, so the region's parameters silently
+    get no gradient. torch only warns; a training step must not go on with them missing.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if str(w.message).startswith(_LOST_GRADIENTS):
+            raise PipelineError(f"{where}: torch.utils.checkpoint(use_reentrant=True) got inputs none of which "
+                                "requires grad, so the parameters inside it would get no gradient (torch's reentrant "
+                                "checkpoint); use torch.utils.checkpoint(..., use_reentrant=False) or "
+                                "checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT)")
+    for w in caught:  # each once per place (``shown``), as Python's default filter would have shown them
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if key not in shown:
+            shown.add(key)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 class Stage:
     """One (chain, stage) of this rank: its module and the per-micro-batch state of a step.
 
@@ -113,6 +141,7 @@ class Stage:
         self.rank = rank
         self.fast = supports_fast_split(module)
         self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
+        self._warned: set = set()  # warnings the module's forward raised, shown once each
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
         self.reset()
 
@@ -141,7 +170,11 @@ class Stage:
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], criterion: Callable | None,
                 labels: Sequence[Any], training: bool, keep_outputs: bool) -> tuple[torch.Tensor, ...]:
         try:
-            out = self.module(*inputs)
+            if training and torch.is_grad_enabled():
+                with _refusing_lost_gradients(self.where("F", mb), self._warned):
+                    out = self.module(*inputs)
+            else:
+                out = self.module(*inputs)
         except PipelineError:
             raise
         except Exception as exc:

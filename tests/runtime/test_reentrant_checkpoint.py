@@ -51,3 +51,45 @@ def test_split_backward_through_a_checkpoint_equals_one_backward(reentrant, recw
                             "nothing left). Pass use_reentrant=False to keep them for W."]
     else:
         assert messages == [] and stage.reentrant is False
+
+
+def test_a_reentrant_checkpoint_that_would_lose_its_gradients_is_refused():
+    """Inputs that need no gradient (a first stage's batch): torch's reentrant checkpoint makes an output
+    that needs none either, so its parameters would silently get no gradient; the step stops instead."""
+    stage = Stage(Checkpointed(reentrant=True), 0, 0, True, False, WeightGradStore(), rank=0)
+    with pytest.raises(Exception) as info:
+        stage.forward(0, (torch.randn(3, 4),), None, (), True, False)
+    assert type(info.value).__name__ == "PipelineError"
+    assert str(info.value) == (
+        "rank 0 F(chain 0, stage 0, mb 0) in Checkpointed: torch.utils.checkpoint(use_reentrant=True) got inputs "
+        "none of which requires grad, so the parameters inside it would get no gradient (torch's reentrant "
+        "checkpoint); use torch.utils.checkpoint(..., use_reentrant=False) or checkpoint_wrapper(..., "
+        "checkpoint_impl=CheckpointImpl.NO_REENTRANT)")
+    # the non-reentrant one has no such hole: its parameters get their gradients from the same inputs
+    ok = Stage(Checkpointed(reentrant=False), 0, 0, True, False, WeightGradStore(), rank=0)
+    ok.forward(0, (torch.randn(3, 4),), None, (), True, False)
+    ok.backward(0, [torch.ones(3, 4)], split=False)
+    assert all(p.grad is not None for p in ok.module.parameters())
+
+
+class Warns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import warnings
+
+        warnings.warn("a user warning", UserWarning, stacklevel=1)
+        return self.a(x)
+
+
+def test_other_warnings_of_a_forward_still_reach_the_user_once():
+    import warnings
+
+    stage = Stage(Warns(), 0, 0, True, False, WeightGradStore())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's own: once per place
+        for mb in range(3):
+            stage.forward(mb, (torch.randn(2, 4),), None, (), True, False)
+    assert [(str(w.message), w.category) for w in seen] == [("a user warning", UserWarning)]
