@@ -15,9 +15,10 @@ call would also flow from one frontier node down the input path into the next an
 twice. Roots that reach no input go to W whole.
 
 The split falls back to a full backward in B (W then has nothing left) when it cannot be exact: a
-frontier node that is a custom ``autograd.Function`` (its backward computes what it computes), or
-two frontier nodes that reach the same weight. Layers that want the split anyway use the fast path
-(``WeightGradStore``, see ``weight_grad.py``).
+frontier node that is a custom ``autograd.Function`` (its backward computes what it computes; a
+``torch.compile``'d block's ``CompiledFunctionBackward`` is one), or two frontier nodes that reach
+the same weight. The stage then warns once, with the reason: a W left empty is never silent.
+Layers that want the split anyway use the fast path (``WeightGradStore``, see ``weight_grad.py``).
 """
 
 from __future__ import annotations
@@ -211,23 +212,38 @@ def _captured_by_prehooks(roots: Sequence[torch.Tensor], grads: Sequence[torch.T
     return captured
 
 
+def _unsplittable(frontier: list) -> str | None:
+    """Why the generic split cannot be exact here (None: it can)."""
+    seen: set = set()
+    for node, leaves in frontier:
+        if isinstance(node, BackwardCFunction):
+            return (f"its graph reaches weights through {type(node).__name__}, a custom autograd.Function (a "
+                    "torch.compile'd block's backward is one), whose backward computes every gradient at once")
+        if seen & leaves:
+            return (f"two of its graph's nodes (one is {type(node).__name__}) reach the same weight, which one W "
+                    "call per node would count twice")
+        seen |= leaves
+    return None
+
+
 def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], _Split | None]:
-    """B of the generic split: the inputs' gradients now, and what W needs later (None: nothing left)."""
+                   inputs: Sequence[torch.Tensor], why: list[str] | None = None
+                   ) -> tuple[list[torch.Tensor | None], _Split | None]:
+    """B of the generic split: the inputs' gradients now, and what W needs later (None: nothing left).
+
+    ``why``: when the split falls back to a full backward, the reason is appended to it (the stage
+    says so once: a W left empty is never silent).
+    """
     req = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not roots:
         return [None] * len(inputs), None
     if not req:  # nothing to hand back: all the work is weight gradients, done at W
         return [None] * len(inputs), _Split([(tuple(roots), tuple(grads), ())])
     starts, reaches_input, frontier = _analyse(roots, req)
-    seen: set = set()
-    fallback = False
-    for node, leaves in frontier:
-        if isinstance(node, BackwardCFunction) or seen & leaves:
-            fallback = True
-            break
-        seen |= leaves
-    if fallback:
+    reason = _unsplittable(frontier)
+    if reason is not None:
+        if why is not None:
+            why.append(reason)
         return full_backward(roots, grads, inputs), None
     if all(hasattr(node, "_input_metadata") for node, _ in frontier):
         captured = _captured_by_engine(roots, grads, req, frontier)

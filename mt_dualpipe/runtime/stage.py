@@ -142,6 +142,7 @@ class Stage:
         self.fast = supports_fast_split(module)
         self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
         self._warned: set = set()  # warnings the module's forward raised, shown once each
+        self._said_unsplit = False  # the warning that the generic split fell back, given once
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
         self.reset()
 
@@ -261,9 +262,15 @@ class Stage:
                     input_grads = full_backward(roots, gs, inputs)
                 self.pending_w[mb] = _STORE_ONLY
             else:  # store active too: deferring layers queue their GEMMs if the split falls back
+                why: list[str] = []
                 with self._deferring(mb):
-                    input_grads, w = split_backward(roots, gs, inputs)
+                    input_grads, w = split_backward(roots, gs, inputs, why)
                 self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
+                if why and not self._said_unsplit and not self.store.queued((self.chain, self.stage, mb)):
+                    self._said_unsplit = True
+                    warnings.warn(f"{self.name}: the B/W split is empty for this stage, its B computes the weight "
+                                  f"gradients too (W has nothing left): {why[0]}. Wrap its linears with "
+                                  "mt_dualpipe.runtime.defer_weight_grads to split them anyway.", stacklevel=2)
         except PipelineError:
             raise
         except Exception as exc:

@@ -115,6 +115,10 @@ class WeightGradStore:
                 return group
         raise RuntimeError(f"no deferred weight gradients queued for {key}")
 
+    def queued(self, key: Hashable) -> int:
+        """How many closures the group tagged ``key`` holds (0 when there is no such group)."""
+        return next((len(group) for got, group in self._groups if got == key), 0)
+
     def __len__(self) -> int:
         return len(self._groups)
 

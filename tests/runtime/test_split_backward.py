@@ -109,3 +109,54 @@ def test_fast_split_detection():
     assert supports_fast_split(nn.Sequential(Deferred(2, 2), nn.GELU(), Deferred(2, 2)))
     assert not supports_fast_split(nn.Sequential(Deferred(2, 2), nn.Linear(2, 2)))
     assert not supports_fast_split(nn.GELU())
+
+
+class _OpaqueLinear(torch.autograd.Function):
+    """A weighted op whose backward computes every gradient at once (as a compiled block's does)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+class OpaqueStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(H, H, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.tanh(_OpaqueLinear.apply(x, self.w))
+
+
+def test_an_empty_w_says_why_once_and_stays_exact():
+    import warnings
+
+    from mt_dualpipe.runtime.stage import Stage
+    from mt_dualpipe.runtime.weight_grad import WeightGradStore
+
+    torch.manual_seed(0)
+    stage = Stage(OpaqueStage(), 0, 1, False, False, WeightGradStore())
+    ref = OpaqueStage()
+    ref.load_state_dict(stage.module.state_dict())
+    g = torch.randn(3, H, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for mb in range(2):
+            x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(mb))
+            stage.forward(mb, (x.requires_grad_(),), None, (), True, False)
+            stage.backward(mb, [g], split=True)
+            stage.weight(mb)
+            ref(x.detach().clone().requires_grad_()).backward(g)
+    said = [str(w.message) for w in seen if "B/W split is empty" in str(w.message)]
+    assert said == [
+        "stage (chain 0, stage 1) OpaqueStage: the B/W split is empty for this stage, its B computes the weight "
+        "gradients too (W has nothing left): its graph reaches weights through _OpaqueLinearBackward, a custom "
+        "autograd.Function (a torch.compile'd block's backward is one), whose backward computes every gradient at "
+        "once. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads to split them anyway."]
+    assert torch.allclose(stage.module.w.grad, ref.w.grad, rtol=0, atol=1e-13)
