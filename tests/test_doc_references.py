@@ -35,6 +35,8 @@ def _resolves(dotted: str) -> bool:
         except ImportError:
             continue
         for name in parts[cut:]:
+            if name in getattr(obj, "__dataclass_fields__", {}):  # a field without a class default
+                return name == parts[-1]
             if not hasattr(obj, name):
                 return False
             obj = getattr(obj, name)

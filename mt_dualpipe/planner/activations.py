@@ -29,15 +29,15 @@ deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies 
   combine the unsort index, the weights and the gathered expert outputs.
 
 Recompute policies: ``"selective"`` for MLA (DeepSeek-V3) recomputes MLA from its latents
-(``MLA.attend``: the latents' RMSNorms, the up-projections, RoPE and the core attention; report
-§3.2.3): the attention norm, the down-projections' input, the two latents and the output
-projection's input stay, q/k/v and the probabilities do not (a fused core keeps its log-sum-exp
-as well and re-runs only the up-projections: its backward rebuilds the probabilities anyway);
-for other attention (Llama) it
-recomputes the core attention and the SwiGLU product, keeping their inputs (q, k, v at their own
-head counts; gate and up). ``"full"`` keeps each recomputed region's input: a dense layer keeps its
-input only; a MoE layer keeps the attention sublayer's input, and its router, dispatch and combine
-still save what they save (they are never re-run), while the experts keep only the dispatched rows.
+(``integrations.deepseek_v3.mla.MLA.attend``: the latents' RMSNorms, the up-projections, RoPE and
+the core attention; report §3.2.3): the attention norm, the down-projections' input, the two
+latents and the output projection's input stay, q/k/v and the probabilities do not (a fused core
+keeps its log-sum-exp as well and re-runs only the up-projections: its backward rebuilds the
+probabilities anyway); for other attention (Llama) it recomputes the core attention and the
+SwiGLU product, keeping their inputs (q, k, v at their own head counts; gate and up). ``"full"``
+keeps each recomputed region's input: a dense layer keeps its input only; a MoE layer keeps the
+attention sublayer's input, and its router, dispatch and combine still save what they save (they
+are never re-run), while the experts keep only the dispatched rows.
 
 The integrations run an eager core attention (einsum, softmax, einsum: the S×S probabilities are
 saved); ``Dtypes.fused_attention`` models a flash-style kernel instead (q, k, v, the output and
@@ -60,7 +60,8 @@ MASK = 1.0   # a bool
 FP8_TILE = 128
 FP8_LIN = 1.0 + 4.0 / FP8_TILE
 """Bytes per element of an FP8-cached linear input: E4M3 + a float32 scale per 1×128 tile
-(``fp8/quantize.py``; exact when the feature count is a multiple of 128, as in DeepSeek-V3)."""
+(``integrations/fp8/quantize.py``; exact when the feature count is a multiple of 128, as in
+DeepSeek-V3)."""
 
 
 @dataclass(frozen=True)

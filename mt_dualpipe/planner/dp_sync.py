@@ -21,8 +21,11 @@ latency per collective):
   ``REDUCE_GRAD``; the all-gather of the updated parameters comes after the optimizer step and is
   counted as exposed (``param_gather_time``); ``zero = 3`` (``fsdp``): the same reduce-scatter, but
   a mirrored stage's copies are all-reduced (two passes: ``FSDPStageSync`` cannot hand one chunk to
-  two copies), and the parameters' all-gather runs when the next step unshards the stages, before
-  their first F — exposed as well, and counted once per step like zero1's.
+  two copies), and the parameters' all-gather runs when the next step unshards the stages —
+  counted once per step like zero1's, and exposed in full: the executor calls every local stage's
+  ``begin_step()`` before the step's first op and each waits for its all-gather
+  (``parallel/fsdp.py``), so no compute overlaps it. FSDP posts no all-gather after the optimizer
+  step (its parameters stay sharded until the next step's start).
 
 Ranks are laid out data-parallel innermost (``parallel/mesh.py``'s order with tp = 1), so a
 group leaves the node when ``dp`` exceeds a node; a mirrored group also spans pipeline ranks,
@@ -68,7 +71,7 @@ def _stage_values(strategy: Strategy, items: list[Item]) -> tuple[float, float]:
 
 def stage_sync_times(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], schedule: Schedule
                      ) -> list[float]:
-    """``Costs.dp_sync``: seconds of each stage's ``REDUCE_GRAD`` (all-reduce, or a reduce-scatter)."""
+    """``schedules.Costs.dp_sync``: seconds of each stage's ``REDUCE_GRAD`` (all-reduce, or a reduce-scatter)."""
     copies = copies_of_stage(schedule)
     link = _link(strategy, system, copies)
     mode = mode_for_zero_stage(strategy.zero)

@@ -7,18 +7,23 @@ the same simulator as everything else in this library. Around it:
 
 - **step time** = the simulated makespan of the schedule with one data-parallel gradient
   reduction per stage right after its last W/BW (``add_grad_reduction``, priced per stage by
-  ``dp_sync.stage_sync_times``: all-reduce, or ZeRO-1's reduce-scatter), run on each rank's
-  communication stream so the pipeline's drain hides what it can; plus ZeRO-1's parameter
-  all-gather after the optimizer step (``dp_sync.param_gather_time``, exposed). ``pipeline_time``
-  is the compute's makespan, ``dp_sync_time`` what the sync adds to it (exposed), and
-  ``dp_sync_total`` what it would add with nothing hidden.
-- **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel with
-  ZeRO-1; experts are sharded by expert parallel and their optimizer over the expert-data-parallel
+  ``dp_sync.stage_sync_times``: all-reduce for ZeRO-0, a reduce-scatter for ZeRO-1 and FSDP), run
+  on each rank's communication stream so the pipeline's drain hides what it can; plus, with
+  sharding, the parameters' all-gather once a step (``dp_sync.param_gather_time``, exposed: ZeRO-1's
+  after the optimizer step, FSDP's when the next step unshards its stages before any F).
+  ``pipeline_time`` is the compute's makespan, ``dp_sync_time`` what the sync adds to it
+  (exposed), and ``dp_sync_total`` what it would add with nothing hidden.
+- **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel when the
+  mode shards it, ``parallel.modes.DataParallelMode.shards_optimizer_state``: ZeRO-1 and FSDP;
+  experts are sharded by expert parallel and their optimizer over the expert-data-parallel
   group) + the peak of saved activations along the rank's op order: a stage's bytes per
   micro-batch from its F to its BW, or to its B, after which a deferred W keeps only its linears'
   inputs (``Item.w_act_bytes``) until it runs, and the stage's received input stays until its W
-  (at a V's turn, until the previous stage's W too) — the rules the runtime's recorded peak follows
-  (``runtime/activation_bytes.py``, ``runtime/stage.py``). The largest rank counts.
+  (at a V's turn, until the previous stage's W too) — the rules the runtime's recorded peak
+  follows (``runtime/activation_bytes.py``, ``runtime/stage.py``). The largest rank counts.
+  FSDP counts whole weights and gradients, as ZeRO-1 does: the runtime keeps a stage unsharded
+  from the step's start to its reduce-scatter (``parallel/fsdp.py``), so the step's peak holds
+  them; only between steps are they sharded.
 
 Costs of a stage: F = matmul FLOPs / matmul rate + core attention / attention rate;
 B = the input-gradient matmuls (same FLOPs as F's matmuls) + 2x core attention; W = the weight-
@@ -36,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..parallel.modes import mode_for_zero_stage
 from ..schedules import Costs, add_grad_reduction, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
 from ..schedules.ir import Schedule
@@ -275,7 +281,11 @@ class _ActivationWalk:
 def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[int], act_bytes: float,
                      extra_params: float = 0.0) -> dict[str, float]:
     """Weights (with FP8 training, each ``FP8Linear``'s cached E4M3 copy of its weight too: 1 byte per
-    converted parameter, the block scales aside), gradients, optimizer state and activations, in GB."""
+    converted parameter, the block scales aside), gradients, optimizer state and activations, in GB.
+
+    The optimizer state is divided over the data-parallel group (experts': the expert-data-parallel
+    group) when the strategy's mode shards it (zero1, fsdp); weights and gradients are whole in every
+    mode, since that is what the step's peak holds (FSDP unshards its stages for the whole step)."""
     wb, gb, ob = weight_bytes(strategy)
     dense = sum(i.params for s in local for i in stages[s]) + extra_params
     expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
@@ -283,8 +293,9 @@ def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[i
     if strategy.dtype == "fp8":  # the experts' and the layers' linears (not the embedding, head or router)
         fp8_cache = sum(i.linear_params for s in local for i in stages[s]) + expert
     edp = max(1, strategy.dp // strategy.ep)
-    shard_dense = strategy.dp if strategy.zero >= 1 else 1
-    shard_expert = edp if strategy.zero >= 1 else 1
+    sharded = mode_for_zero_stage(strategy.zero).shards_optimizer_state
+    shard_dense = strategy.dp if sharded else 1
+    shard_expert = edp if sharded else 1
     out = {
         "weights": ((dense + expert) * wb + fp8_cache) / GB,
         "gradients": (dense + expert) * gb / GB,

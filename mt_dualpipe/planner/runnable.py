@@ -42,9 +42,9 @@ def zero_from_config(value: int) -> int:
     """A configuration's ZeRO stage (DeepSpeed's ``zero_optimization.stage``, a model card's ``zero_state``)
     as the planner's: 0, 1 and 3 as they are; 2 as 1, since the runtime's zero1 already drops the full
     gradients at the reduce-scatter and keeps only this rank's shard (ZeRO-2's saving between steps)."""
-    stage = int(value)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(value, bool) or value not in (0, 1, 2, 3):
         raise ValueError(f"zero_state {value!r} is not a ZeRO stage; allowed: 0, 1, 2 (run as 1), 3")
+    stage = int(value)
     return 1 if stage == 2 else stage
 
 
@@ -108,7 +108,7 @@ def unrunnable_reasons(strategy: Strategy, tied: bool = False) -> list[str]:
 
 
 def _mode_reasons(mode: DataParallelMode, ep: int, tied: bool) -> list[str]:
-    """What the mode's row refuses (the runtime's own refusals, ``runtime/data_parallel.needs_reductions``)."""
+    """What the mode's row refuses (the runtime's own refusals, ``runtime.data_parallel.needs_reductions``)."""
     out = []
     if ep > 1 and not mode.expert_parallel:
         able = ", ".join(m.name for m in DP_MODES.values() if m.expert_parallel)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mt_dualpipe.cli import main
+from mt_dualpipe.cli.plan_cmd import strategy_options
+from mt_dualpipe.parallel.modes import DP_MODES
 
 
 def test_cli_plan(tmp_path, capsys):
@@ -97,8 +101,6 @@ def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, c
 
 
 def test_cli_plan_help_documents_runnability(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -106,3 +108,19 @@ def test_cli_plan_help_documents_runnability(capsys):
     assert "today it runs recompute none, selective and full, dp_mode allreduce (--zero 0), zero1 (--zero 1) or " \
         "fsdp (--zero 3, without expert parallelism or weights tied across stages), tp 1" in text
     assert "--zero {0,1,3}" in text
+
+
+def test_cli_plan_zero_stages_come_from_the_mode_table(tmp_path, capsys):
+    assert sorted({m.zero_stage for m in DP_MODES.values()}) == [0, 1, 3]
+    with pytest.raises(SystemExit):  # no runtime mode runs ZeRO-2: argparse refuses it
+        main(["plan", "--model", "deepseek-v3", "--gpus", "64", "--zero", "2"])
+    assert "argument --zero: invalid choice: 2 (choose from 0, 1, 3)" in capsys.readouterr().err
+    strat = tmp_path / "s.json"
+    for given, planned in ((0, 0), (1, 1), (2, 1), (3, 3)):  # a config's ZeRO-2 plans as zero1
+        strat.write_text(json.dumps({"zero_state": given}))
+        assert strategy_options(str(strat)) == {"zero": planned}
+    for bad in (4, True, "3"):
+        strat.write_text(json.dumps({"zero_state": bad}))
+        assert main(["plan", "--model", "deepseek-v3", "--gpus", "64", "--strategy", str(strat)]) == 2
+        assert (f"strategy JSON {str(strat)!r}: zero_state {bad!r} is not a ZeRO stage; allowed: 0, 1, 2 (run as 1), 3"
+                in capsys.readouterr().err)

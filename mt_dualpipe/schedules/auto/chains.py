@@ -2,11 +2,12 @@
 
 On large problems (``search.anneal_plan``) ``auto`` anneals from the best order of its phases and,
 ``chains`` times (default once), from the best hand schedule. Those chains need nothing the phases
-find, so they start at once in child processes and share the wall time of the search. Measured at P=8, M=24
-with exposed all-to-all 1.0 of F (docs/schedules.md): from DualPipeV a chain ends at 193.9 on
-average over 32 seeds (best known 191), from the phases' best at 195.1 over eight: the phases' order
-sits in a deeper basin that annealing leaves less often; with 0.5 of F the phases' start wins. So
-both run and the better wins; ``Chains`` runs several such chains on as many processes.
+find, so they start at once in child processes and share the wall time of the search. Measured at
+P=8, M=24 with exposed all-to-all 1.0 of F (benchmarks/results/auto_schedule.md, "History"): from
+DualPipeV a chain ends at 193.9 on average over 32 seeds (best known 191), from the phases' best at
+195.1 over eight: the phases' order sits in a deeper basin that annealing leaves less often; with
+0.5 of F the phases' start wins. So both run and the better wins; ``Chains`` runs several such
+chains on as many processes.
 
 Why a child Python of its own (running ``run_job_folder``) rather than
 ``multiprocessing``: *spawn* and *forkserver* re-import the caller's ``__main__``, which recurses

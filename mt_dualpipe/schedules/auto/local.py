@@ -416,10 +416,11 @@ def local_search(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, 
 
 ANNEAL_HEAT = 0.006
 """The start temperature as a fraction of the start makespan per rank. Measured on the 45 small
-profiles CP-SAT proves and the P=8, M=24 grid (docs/schedules.md): 0.025 accepted so many
-makespan losses that a chain spent most of its steps climbing back (P=8 dual, exposed all-to-all
-1.0 of F: 98-99 at 5,000 steps); 0.006 is nearly greedy on the makespan and random on the
-tie-break (a tenth of the mean rank end), which is where the better orders are found (95-97)."""
+profiles CP-SAT proves and the P=8, M=24 grid (benchmarks/results/auto_schedule.md, "History"):
+0.025 accepted so many makespan losses that a chain spent most of its steps climbing back (P=8 dual,
+exposed all-to-all 1.0 of F: 98-99 at 5,000 steps); 0.006 is nearly greedy on the makespan and
+random on the tie-break (a tenth of the mean rank end), which is where the better orders are found
+(95-97)."""
 
 
 ANNEAL_COOL = 0.01
@@ -443,8 +444,9 @@ made the results worse (193.6-195.9 mean against 192.4: early on such moves brea
 mend), and so did a W-raising move in the cold phase only (192.19 with the farther reach, 192.31
 without). Reaching twice as far once the chain is cold (from 0.8 of it; 0.6, or three times as far,
 were no better) took V 1.0 of F from 192.38 to 192.00 over 16 seeds and dual 0.5 of F from 86.03 to
-85.94 at the same work (docs/schedules.md). Not on small problems, where twice the window spans much
-of a rank's order: over 390 runs of the test profiles it gave 9 worse results and 2 better."""
+85.94 at the same work (benchmarks/results/auto_schedule.md). Not on small problems, where twice the
+window spans much of a rank's order: over 390 runs of the test profiles it gave 9 worse results and
+2 better."""
 
 
 REPLAY_WORK = 40
@@ -713,7 +715,8 @@ def close_gaps(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
 
     Annealing proposes such moves only within a window of the gap and one rank at a time; in the
     orders it ends with at P=8, M=24 the W's that fit the critical rank's last gaps are often many
-    places later, and a cool-down wait is a chain over several ranks (docs/schedules.md).
+    places later, and a cool-down wait is a chain over several ranks
+    (benchmarks/results/auto_schedule.md).
     """
     base = replay_order(layout, costs, ranks, "close_gaps")
     moved = 0

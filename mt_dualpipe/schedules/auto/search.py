@@ -27,7 +27,7 @@
    delayed them; never worse, a few hundredths of a second. Annealing reaches neither move when the
    W or the chain of waits is far from the gap (P=8, M=24, 16 seeds, mean makespan: V with all-to-all
    1.0 of F 192.00 -> 191.13, five at the bound 190; 0.5 of F 173.91 -> 173.53; dual 0.5 of F
-   85.94 -> 85.91, docs/schedules.md).
+   85.94 -> 85.91, benchmarks/results/auto_schedule.md).
 10. **Repairs** (``repair``), on the same orders: the cool-down list-scheduled again from 0.75, 0.8
    and 0.85 of the makespan on (``relist_cooldown``: ``listsched`` with each rank's earlier items as
    a prefix; annealing leaves W's ahead of ready B's there, which a greedy walk does not), and,
@@ -106,10 +106,10 @@ ANNEAL_CHAINS = 3
 """Annealing chains on small problems (at least ``ANNEAL_CHAIN_STEPS`` steps each), each from one of
 the best orders of different makespans found before; larger ones get one longer chain from the best."""
 ANNEAL_CHAIN_STEPS = 10000
-"""Steps per chain on small problems. The 45 small profiles CP-SAT proves (docs/schedules.md): two
-end 2.3-2.6 % above the optimum, 40 at it; with the op budget shared up to 40 000 steps per chain
-none above 1.85 %, 42 at it, but at 2.2 times the time (3.3 s per call; the test suite then ran
-586 s of its 600), so not by default."""
+"""Steps per chain on small problems. The 45 small profiles CP-SAT proves
+(benchmarks/results/auto_schedule.md, "History"): two end 2.3-2.6 % above the optimum, 40 at it;
+with the op budget shared up to 40 000 steps per chain none above 1.85 %, 42 at it, but at 2.2 times
+the time (3.3 s per call; the test suite then ran 586 s of its 600), so not by default."""
 ANNEAL_HEATS = (ANNEAL_HEAT, 0.025, 0.0125)
 """The start temperature of each chain in turn (a single chain gets the first): which one finds an
 instance's optimum varies (on the small proved profiles 0.006 is best most often, on some 0.025
@@ -290,9 +290,9 @@ def _fb_phase(search: Search, iterations: int, rng: random.Random,
               walk: Callable[..., Ranks | None]) -> list[Policy]:
     """Polish FB units: every BW split into B then W (never worse), then local search with ``FB_MOVES``.
 
-    What the exact solver's schedules do (docs/schedules.md): FB(F+B) with its W right after or
-    later, so each hop gets its gradient one W sooner; swapping the B inside a unit and pushing
-    W's to the cool-down are moves the first local search does not have.
+    What the exact solver's schedules do: FB(F+B) with its W right after or later, so each hop gets
+    its gradient one W sooner; swapping the B inside a unit and pushing W's to the cool-down are
+    moves the first local search does not have.
     """
     if search.expired() or not _pairing_saves(search.layout, search.costs):
         return []
@@ -318,13 +318,14 @@ def _caps_phase(search: Search, walk: Callable[..., Ranks | None], top: list[Pol
     """Per-stage warm-up depths: coordinate descent on ``Policy.stage_caps``.
 
     How many micro-batches each stage runs ahead of its first B is what separates the exact
-    schedules of odd-P dual placements from every policy of the grid (docs/schedules.md): one
-    stage starts three micro-batches deep, its neighbour two. On small problems (stage limits
-    summing to at most ``CAPS_FULL_RANGE``) every FB policy and every cap value up to the rank's
-    limit is tried (without ``thorough``, when ``iterations`` bounds the search, only the two best
-    policies), on larger ones the two best policies and the current cap +- 2. The best
-    order with a cap below a limit is kept in ``search.capped`` as a start for annealing even when
-    it is not the best order: its warm-up is what annealing cannot build one op at a time.
+    schedules of odd-P dual placements from every policy of the grid
+    (benchmarks/results/auto_schedule.md): one stage starts three micro-batches deep, its neighbour
+    two. On small problems (stage limits summing to at most ``CAPS_FULL_RANGE``) every FB policy and
+    every cap value up to the rank's limit is tried (without ``thorough``, when ``iterations``
+    bounds the search, only the two best policies), on larger ones the two best policies and the
+    current cap +- 2. The best order with a cap below a limit is kept in ``search.capped`` as a
+    start for annealing even when it is not the best order: its warm-up is what annealing cannot
+    build one op at a time.
     ``heuristic`` runs it on two-chain placements and where FB units save time: on V (P = 3, 4) and
     linear (P = 4) placements without (uniform, heavy first or last stage, latency; two memory
     limits each: 24 runs) it changed no result, at up to 45 % of the time (V, P=4, M=16, memory 8:
