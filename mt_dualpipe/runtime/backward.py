@@ -14,16 +14,21 @@ now computes only its weight gradients; one engine call per frontier node, becau
 call would also flow from one frontier node down the input path into the next and count that one
 twice. Roots that reach no input go to W whole.
 
-The split falls back to a full backward in B (W then has nothing left) when it cannot be exact: a
-frontier node that is a custom ``autograd.Function`` (its backward computes what it computes; a
-``torch.compile``'d block's ``CompiledFunctionBackward`` is one), or two frontier nodes that reach
-the same weight. The stage then warns once, with the reason: a W left empty is never silent.
-Layers that want the split anyway use the fast path (``WeightGradStore``, see ``weight_grad.py``).
+A frontier node that is a custom ``autograd.Function`` (a ``torch.compile``'d region's
+``CompiledFunctionBackward`` is one) computes every gradient at once, so re-running it in W would
+repeat B's work: B's engine call captures its weights' gradients instead (as extra engine inputs)
+and W only accumulates them. That is right for a compiled region's norm weights; for matrix
+weights the stage warns once, since their GEMMs then run in B (``runtime/compiled.py`` keeps the
+linears of compiled regions out of the graph, so that their GEMMs split as in eager). The split
+falls back to a full backward in B (W then has nothing left) when two frontier nodes reach the
+same weight; the stage warns once with the reason: a W left empty is never silent. Layers that
+want the split anyway use the fast path (``WeightGradStore``, see ``weight_grad.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -82,14 +87,16 @@ def full_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor | None],
 class _Split:
     """What W needs from a split B: per frontier node, its captured grads and the weights below it."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("calls", "shared")
 
-    def __init__(self, calls: list[tuple[tuple, tuple, tuple]]):
+    def __init__(self, calls: list[tuple[tuple, tuple, tuple]], shared: Any = None):
         self.calls = calls  # (edges, grads, weights) per engine call; weights () = every leaf reached
+        self.shared = shared  # B's SharedRecompute: W reuses what B's checkpoint recompute made
 
     def run(self) -> None:
-        for edges, grads, weights in self.calls:
-            _engine.run_backward(edges, grads, True, False, weights, True, True)
+        with self.shared if self.shared is not None else nullcontext():
+            for edges, grads, weights in self.calls:
+                _engine.run_backward(edges, grads, True, False, weights, True, True)
         self.calls = []
 
 
@@ -216,9 +223,6 @@ def _unsplittable(frontier: list) -> str | None:
     """Why the generic split cannot be exact here (None: it can)."""
     seen: set = set()
     for node, leaves in frontier:
-        if isinstance(node, BackwardCFunction):
-            return (f"its graph reaches weights through {type(node).__name__}, a custom autograd.Function (a "
-                    "torch.compile'd block's backward is one), whose backward computes every gradient at once")
         if seen & leaves:
             return (f"two of its graph's nodes (one is {type(node).__name__}) reach the same weight, which one W "
                     "call per node would count twice")
@@ -226,13 +230,32 @@ def _unsplittable(frontier: list) -> str | None:
     return None
 
 
+def _opaque(node: Any) -> bool:
+    """A custom ``autograd.Function``'s node (a compiled region's ``CompiledFunctionBackward`` is one): its
+    backward computes every gradient at once, so re-running it in W would repeat all of B's work."""
+    return isinstance(node, BackwardCFunction)
+
+
+def _gemm_weights_in_b(frontier: list) -> str | None:
+    """Why some matrix weights get their gradients in B (None: only vectors, e.g. norms', do)."""
+    for node, leaves in frontier:
+        if _opaque(node) and any(leaf.variable.dim() >= 2 for leaf in leaves):
+            return (f"the weight gradients below {type(node).__name__} are computed in B and W only accumulates them: "
+                    "it is a custom autograd.Function (a torch.compile'd region holding a matrix product is one), "
+                    "whose backward computes every gradient at once. Give its matrix products their own autograd "
+                    "nodes (an nn.Linear outside the autograd.Function) or defer them "
+                    "(mt_dualpipe.runtime.defer_weight_grads) to run them in W")
+    return None
+
+
 def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], why: list[str] | None = None
+                   inputs: Sequence[torch.Tensor], why: list[str] | None = None, shared: Any = None
                    ) -> tuple[list[torch.Tensor | None], _Split | None]:
     """B of the generic split: the inputs' gradients now, and what W needs later (None: nothing left).
 
     ``why``: when the split falls back to a full backward, the reason is appended to it (the stage
-    says so once: a W left empty is never silent).
+    says so once: a W left empty is never silent). ``shared``: a ``checkpoint_reuse.SharedRecompute``
+    when the stage's forward ran checkpointed regions, so that W reuses B's recompute.
     """
     req = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not roots:
@@ -243,15 +266,26 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     reason = _unsplittable(frontier)
     if reason is not None:
         if why is not None:
-            why.append(reason)
+            why.append("the B/W split is empty for this stage, its B computes the weight gradients too (W has "
+                       f"nothing left): {reason}. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads to "
+                       "split them anyway")
         return full_backward(roots, grads, inputs), None
-    if all(hasattr(node, "_input_metadata") for node, _ in frontier):
-        captured = _captured_by_engine(roots, grads, req, frontier)
-    else:  # an autograd without per-node input metadata: capture with node pre-hooks
-        captured = _captured_by_prehooks(roots, grads, req, frontier)
+    if why is not None and (late := _gemm_weights_in_b(frontier)):
+        why.append(late)
+    rerun = [(node, leaves) for node, leaves in frontier if not _opaque(node)]
+    held = [leaf.variable for node, leaves in frontier if _opaque(node) for leaf in leaves]
+    capture = _captured_by_engine if all(hasattr(node, "_input_metadata") for node, _ in rerun) \
+        else _captured_by_prehooks  # an autograd without per-node input metadata: capture with node pre-hooks
+    with shared.keeping([node for node, _ in rerun]) if shared is not None else nullcontext():
+        captured = capture(roots, grads, req + held, rerun)
     got = captured.pop(None)
     calls = []
-    for node, leaves in frontier:
+    if held:  # an opaque node's weight gradients, computed by B's run of it: W only accumulates them
+        pairs = [(w, g) for w, g in zip(held, got[len(req):]) if g is not None]
+        if pairs:
+            calls.append((tuple(w for w, _ in pairs), tuple(g for _, g in pairs), ()))
+        got = got[:len(req)]
+    for node, leaves in rerun:
         gs = captured.get(node)
         if gs is None:
             continue
@@ -264,4 +298,4 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
             calls.append(((root,), (g,), ()))
     it = iter(got)
     input_grads = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-    return input_grads, (_Split(calls) if calls else None)
+    return input_grads, (_Split(calls, shared) if calls else None)

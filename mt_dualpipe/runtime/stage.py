@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import checkpoint_reuse, compiled
 from .backward import backward_roots, full_backward, has_reentrant_checkpoint, split_backward
 from .errors import PipelineError
 from .weight_grad import WeightGradStore, held_post_accumulate_hooks
@@ -141,6 +142,10 @@ class Stage:
         self.rank = rank
         self.fast = supports_fast_split(module)
         self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
+        self.compiled = bool(compiled.compiled_regions(module))  # its linears run eagerly: see compiled.py
+        if self.compiled:
+            compiled.keep_products_eager(module)
+        self.checkpointed = False  # its forward ran non-reentrant checkpoint regions (B and W share their recompute)
         self._warned: set = set()  # warnings the module's forward raised, shown once each
         self._said_unsplit = False  # the warning that the generic split fell back, given once
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
@@ -172,8 +177,11 @@ class Stage:
                 labels: Sequence[Any], training: bool, keep_outputs: bool) -> tuple[torch.Tensor, ...]:
         try:
             if training and torch.is_grad_enabled():
-                with _refusing_lost_gradients(self.where("F", mb), self._warned):
+                with _refusing_lost_gradients(self.where("F", mb), self._warned), checkpoint_reuse.recording() as rec, \
+                        self._no_donation():
                     out = self.module(*inputs)
+                if rec.holders:
+                    self.checkpointed = True
             else:
                 out = self.module(*inputs)
         except PipelineError:
@@ -255,22 +263,22 @@ class Stage:
         roots, gs = self.roots(mb, grads)
         inputs = self.inputs[mb]
         try:
-            if not split:
-                input_grads = full_backward(roots, gs, inputs)
-            elif self.fast or self.reentrant or (self.reentrant is None and self._reentrant(roots)):
-                with self._deferring(mb):
+            with self._no_donation():
+                if not split:
                     input_grads = full_backward(roots, gs, inputs)
-                self.pending_w[mb] = _STORE_ONLY
-            else:  # store active too: deferring layers queue their GEMMs if the split falls back
-                why: list[str] = []
-                with self._deferring(mb):
-                    input_grads, w = split_backward(roots, gs, inputs, why)
-                self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
-                if why and not self._said_unsplit and not self.store.queued((self.chain, self.stage, mb)):
-                    self._said_unsplit = True
-                    warnings.warn(f"{self.name}: the B/W split is empty for this stage, its B computes the weight "
-                                  f"gradients too (W has nothing left): {why[0]}. Wrap its linears with "
-                                  "mt_dualpipe.runtime.defer_weight_grads to split them anyway.", stacklevel=2)
+                elif self.fast or self.reentrant or (self.reentrant is None and self._reentrant(roots)):
+                    with self._deferring(mb):
+                        input_grads = full_backward(roots, gs, inputs)
+                    self.pending_w[mb] = _STORE_ONLY
+                else:  # store active too: deferring layers queue their GEMMs if the split falls back
+                    why: list[str] = []
+                    shared = checkpoint_reuse.SharedRecompute() if self.checkpointed else None
+                    with self._deferring(mb):
+                        input_grads, w = split_backward(roots, gs, inputs, why, shared)
+                    self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
+                    if why and not self._said_unsplit and not self.store.queued((self.chain, self.stage, mb)):
+                        self._said_unsplit = True
+                        warnings.warn(f"{self.name}: {why[0]}.", stacklevel=2)
         except PipelineError:
             raise
         except Exception as exc:
@@ -341,7 +349,18 @@ class Stage:
 
     def backward_context(self, mb: int, split: bool) -> Any:
         """While an overlapped B of ``mb`` runs: the store defers weight GEMMs when ``split``."""
-        return self._deferring(mb) if split else contextlib.nullcontext()
+        if not self.compiled:
+            return self._deferring(mb) if split else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._no_donation())
+        if split:
+            stack.enter_context(self._deferring(mb))
+        return stack
+
+    def _no_donation(self) -> Any:
+        """A compiled stage's forward and backward: AOTAutograd donates no buffer (``compiled.py``); it
+        reads the setting both when it compiles and when a compiled backward runs."""
+        return compiled.without_buffer_donation() if self.compiled else contextlib.nullcontext()
 
     def finish_overlapped_backward(self, mb: int, split: bool) -> None:
         """After an overlapped B: its input grads are the inputs' ``.grad``; W runs the store's group."""
@@ -356,9 +375,10 @@ class Stage:
         w = self.pending_w.pop(mb, None)
         if w is not None:
             try:
-                self.store.run((self.chain, self.stage, mb))
-                if type(w) is tuple and w[1] is not None:
-                    w[1].run()
+                with self._no_donation():
+                    self.store.run((self.chain, self.stage, mb))
+                    if type(w) is tuple and w[1] is not None:
+                        w[1].run()
             except PipelineError:
                 raise
             except Exception as exc:

@@ -134,7 +134,9 @@ class OpaqueStage(nn.Module):
         return torch.tanh(_OpaqueLinear.apply(x, self.w))
 
 
-def test_an_empty_w_says_why_once_and_stays_exact():
+def test_an_opaque_node_computes_its_weight_gradients_in_b_says_so_once_and_stays_exact():
+    """A custom autograd.Function's backward computes every gradient at once: B captures its weight's
+    gradient (W re-running it would repeat B), W only accumulates it, and the stage says so once."""
     import warnings
 
     from mt_dualpipe.runtime.stage import Stage
@@ -151,12 +153,54 @@ def test_an_empty_w_says_why_once_and_stays_exact():
             x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(mb))
             stage.forward(mb, (x.requires_grad_(),), None, (), True, False)
             stage.backward(mb, [g], split=True)
+            assert mb == 1 or stage.module.w.grad is None  # captured in B, not accumulated
             stage.weight(mb)
             ref(x.detach().clone().requires_grad_()).backward(g)
-    said = [str(w.message) for w in seen if "B/W split is empty" in str(w.message)]
+    said = [str(w.message) for w in seen if "OpaqueStage" in str(w.message)]
     assert said == [
-        "stage (chain 0, stage 1) OpaqueStage: the B/W split is empty for this stage, its B computes the weight "
-        "gradients too (W has nothing left): its graph reaches weights through _OpaqueLinearBackward, a custom "
-        "autograd.Function (a torch.compile'd block's backward is one), whose backward computes every gradient at "
-        "once. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads to split them anyway."]
+        "stage (chain 0, stage 1) OpaqueStage: the weight gradients below _OpaqueLinearBackward are computed in B "
+        "and W only accumulates them: it is a custom autograd.Function (a torch.compile'd region holding a matrix "
+        "product is one), whose backward computes every gradient at once. Give its matrix products their own "
+        "autograd nodes (an nn.Linear outside the autograd.Function) or defer them "
+        "(mt_dualpipe.runtime.defer_weight_grads) to run them in W."]
     assert torch.allclose(stage.module.w.grad, ref.w.grad, rtol=0, atol=1e-13)
+
+
+class TwiceUsed(nn.Module):
+    """One linear applied twice on the input path: two frontier nodes reach its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H).double()
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_a_weight_two_nodes_reach_falls_back_to_a_full_b_and_says_so_once():
+    import warnings
+
+    from mt_dualpipe.runtime.stage import Stage
+    from mt_dualpipe.runtime.weight_grad import WeightGradStore
+
+    torch.manual_seed(0)
+    stage = Stage(TwiceUsed(), 0, 1, False, False, WeightGradStore())
+    ref = TwiceUsed()
+    ref.load_state_dict(stage.module.state_dict())
+    g = torch.randn(3, H, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for mb in range(2):
+            x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(mb))
+            stage.forward(mb, (x.requires_grad_(),), None, (), True, False)
+            stage.backward(mb, [g], split=True)
+            assert stage.module.lin.weight.grad is not None  # B computed it
+            stage.weight(mb)
+            ref(x.detach().clone().requires_grad_()).backward(g)
+    said = [str(w.message) for w in seen if "TwiceUsed" in str(w.message)]
+    assert said == [
+        "stage (chain 0, stage 1) TwiceUsed: the B/W split is empty for this stage, its B computes the weight "
+        "gradients too (W has nothing left): two of its graph's nodes (one is AddmmBackward0) reach the same weight, "
+        "which one W call per node would count twice. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads "
+        "to split them anyway."]
+    assert torch.allclose(stage.module.lin.weight.grad, ref.lin.weight.grad, rtol=0, atol=1e-13)

@@ -1,0 +1,182 @@
+"""``torch.compile``'d blocks under the split schedules, with nothing asked of the user.
+
+A stage's compiled regions keep their linears out of the graph (``runtime/compiled.py``), so the
+weight-gradient GEMMs still run in W, each compiled backward runs once (counted by a backend
+that wraps AOTAutograd's backward), the gradients equal eager, buffer donation is off (torch's
+own pipelining crashes on it under ZB-V and DualPipeV), and a second step compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mt_dualpipe.runtime import compiled
+from mt_dualpipe.runtime.stage import Stage
+from mt_dualpipe.runtime.weight_grad import WeightGradStore
+from mt_dualpipe.schedules import build_schedule
+from tests.helpers.dist import run_ranks
+from tests.helpers.models import H, chain_batch, check_against_reference, criterion, make_data
+
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe")
+M = 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.a, self.b = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.nn.functional.gelu(self.a(self.norm(x))))
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def counting_backend() -> tuple:
+    """aot_eager whose compiled backward counts its calls."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    calls = {"forward": 0, "backward": 0, "graphs": 0}
+
+    def fw(gm, example_inputs):
+        calls["graphs"] += 1
+
+        def run(*args):
+            calls["forward"] += 1
+            return gm.forward(*args)
+        return make_boxed_func(run)
+
+    def bw(gm, example_inputs):
+        def run(*args):
+            calls["backward"] += 1
+            return gm.forward(*args)
+        return make_boxed_func(run)
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw), calls
+
+
+def compile_blocks(stage: nn.Module, how: str, backend) -> nn.Module:
+    """The user's compile: each block (``module.compile()``, torchtitan's way) or the whole stage."""
+    if how == "blocks":
+        for b in stage.blocks:
+            b.compile(backend=backend)
+        return stage
+    return torch.compile(stage, backend=backend)
+
+
+@pytest.mark.parametrize("how", ["blocks", "stage"])
+def test_weight_gemms_run_in_w_and_each_compiled_backward_once(how):
+    torch.manual_seed(0)
+    eager = TwoBlocks().double()
+    backend, calls = counting_backend()
+    mod = compile_blocks(copy.deepcopy(eager), how, backend)
+    stage = Stage(mod, 0, 1, False, False, WeightGradStore())
+    linears = [m.weight for m in mod.modules() if isinstance(m, nn.Linear)]
+    norms = [m.weight for m in mod.modules() if isinstance(m, nn.LayerNorm)]
+    g = torch.randn(3, H, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "split is empty" warning
+        for mb in range(2):
+            x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(mb))
+            forwards = calls["forward"]
+            stage.forward(mb, (x.requires_grad_(),), None, (), True, False)
+            forwards = calls["forward"] - forwards
+            before = calls["backward"]
+            stage.backward(mb, [g], split=True)
+            pieces = calls["backward"] - before
+            assert all(w.grad is None for w in linears + norms) if mb == 0 else True  # nothing accumulated in B
+            stage.weight(mb)
+            assert calls["backward"] == before + pieces  # W re-ran no compiled backward
+            eager(x.detach().clone().requires_grad_()).backward(g)
+    assert pieces == forwards >= 2  # B ran each compiled piece's backward once
+    assert torch.allclose(stage.input_grads[1][0], _input_grad(eager, 1, g), rtol=0, atol=1e-13)
+    for p, r in zip(mod.parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=0, atol=1e-13)
+
+
+def _input_grad(eager: nn.Module, mb: int, g: torch.Tensor) -> torch.Tensor:
+    x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(mb)).requires_grad_()
+    copy.deepcopy(eager)(x).backward(g)
+    return x.grad
+
+
+def test_the_linears_of_compiled_regions_are_kept_eager_once():
+    mod = compile_blocks(TwoBlocks(), "blocks", "aot_eager")
+    assert compiled.keep_products_eager(mod) == 4
+    assert compiled.keep_products_eager(mod) == 0  # already done: nothing wrapped twice
+    assert compiled.keep_products_eager(TwoBlocks()) == 0  # nothing compiled, nothing touched
+
+
+def _worker(rank: int, world: int, cases: list) -> list[dict]:
+    import torch._dynamo
+
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.runtime import defer_weight_grads
+
+    torch.set_num_threads(1)
+    got = []
+    for sched, how, defer, layers, x, labels in cases:
+        torch._dynamo.reset()
+        backend, calls = counting_backend()
+        local = sched.local_stages(rank)
+        mods = [copy.deepcopy(layers[s]) for _, s in local]
+        if defer:
+            mods = [defer_weight_grads(m) for m in mods]
+        mods = [compile_blocks(m, how, backend) for m in mods]
+        pipe = Pipeline(mods, sched, timeout=60)
+        m = sched.num_microbatches
+        first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
+        last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
+        inp = (chain_batch(sched, first[0], x, m),) if first else ()
+        lab = (chain_batch(sched, last[0], labels, m),) if last else ()
+        loss, outs = pipe.step(*inp, num_chunks=m, criterion=criterion, labels=lab, return_outputs=True)
+        result = {"local": local, "loss": loss, "outputs": outs, "chain_end": last,
+                  "grads": [[p.grad.clone() for p in mod.parameters()] for mod in mods],
+                  "graphs": calls["graphs"], "forward": calls["forward"], "backward": calls["backward"]}
+        pipe.step(*inp, num_chunks=m, criterion=criterion, labels=lab)
+        result["graphs_after_second_step"] = calls["graphs"]
+        got.append(result)
+    return got
+
+
+@functools.cache
+def _results() -> tuple[list, list]:
+    cases = []
+    for name in SCHEDULES:
+        sched = build_schedule(name, 2, M)
+        torch.manual_seed(len(cases))
+        layers = [TwoBlocks().double() for _ in range(len(sched.placement[0]))]
+        x, labels = make_data(M, seed=5)
+        cases += [(sched, how, defer, layers, x, labels) for how, defer in
+                  (("blocks", False), ("blocks", True), ("stage", False))]
+    per_rank = run_ranks(_worker, 2, cases, timeout=300)
+    return cases, [[per_rank[r][i] for r in range(2)] for i in range(len(cases))]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_compiled_blocks_match_eager_and_compile_once(name):
+    cases, results = _results()
+    for (sched, how, defer, layers, x, labels), res in zip(cases, results):
+        if sched.name != name:
+            continue
+        check_against_reference(sched, res, [copy.deepcopy(m) for m in layers], x, labels)
+        for r in res:
+            assert r["graphs_after_second_step"] == r["graphs"], (name, how, defer)  # no recompilation
+            assert r["backward"] == r["forward"] > 0, (name, how, defer)  # each compiled backward ran once
