@@ -6,7 +6,8 @@ instead of 8), the update itself computed in float32 (DeepSeek-V3 report §3.3.1
 background thread after each step, so it costs neither accelerator memory nor step time.
 """
 
-from .adamw import AdamWBF16, optimizer_state_bytes
+from ..parallel.zero import optimizer_state_bytes
+from .adamw import AdamWBF16
 from .ema import CpuEMA
 
 __all__ = ["AdamWBF16", "CpuEMA", "optimizer_state_bytes"]

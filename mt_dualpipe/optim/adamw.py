@@ -84,8 +84,3 @@ class AdamWBF16(torch.optim.Optimizer):
                 if name in state and state[name].dtype != self.moment_dtype:
                     state[name] = state[name].to(self.moment_dtype)
 
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's per-parameter state tensors (moments, step counters)."""
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor))

@@ -39,12 +39,15 @@ OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (what ZeRO-1 divides by the group size)."""
+    """Bytes this rank holds in ``optimizer.state``: moments, step counters (what ZeRO-1 and FSDP divide
+    by the group size). A DTensor state (FSDP2's, stepping sharded parameters) counts its local shard:
+    its ``numel()`` is the global size."""
     total = 0
     for per_param in optimizer.state.values():
         for v in per_param.values():
             if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
     return total
 
 

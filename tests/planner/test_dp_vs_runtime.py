@@ -12,9 +12,7 @@ The exposed-sync side (simulated ``dp_exposed`` against the measured wait) is a 
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from mt_dualpipe.parallel import init_parallel
 from mt_dualpipe.parallel.modes import DP_MODES
@@ -32,15 +30,10 @@ MODES = ((0, "allreduce"), (1, "zero1"), (3, "fsdp"))
 
 
 def _local_state_bytes(opt) -> int:
-    """Bytes of optimizer state this rank holds: a DTensor counts its local shard, not its global size."""
-    total = 0
-    for o in opt.optimizers:
-        for per_param in o.state.values():
-            for v in per_param.values():
-                if isinstance(v, torch.Tensor):
-                    t = v.to_local() if isinstance(v, DTensor) else v
-                    total += t.numel() * t.element_size()
-    return total
+    """Bytes of optimizer state this rank holds, as the library counts them (a DTensor: its local shard)."""
+    from mt_dualpipe.parallel.zero import optimizer_state_bytes
+
+    return sum(optimizer_state_bytes(o) for o in opt.optimizers)
 
 
 def _worker(rank: int, world: int) -> dict:
