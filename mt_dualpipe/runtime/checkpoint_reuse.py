@@ -28,7 +28,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as _ckpt
+
+from .activation_bytes import ActivationBytes
 
 _GROUP = getattr(_ckpt, "GraphExecGroup", None)
 _HOLDER = getattr(_ckpt, "_Holder", None)
@@ -100,10 +103,15 @@ if _GROUP is not None:
             def enter(*_: Any) -> None:
                 self._keeping.on = True
 
-            def leave(*_: Any) -> None:
+            def leave(node: Any, *_: Any) -> None:
+                recorder = ActivationBytes.active()
+                if recorder is not None:  # what this node keeps for W, counted like a recompute policy's
+                    for t in _saved_tensors(node):
+                        recorder.recomputed(t)
                 self._keeping.on = False
 
-            handles = [h for n in nodes for h in (n.register_prehook(enter), n.register_hook(leave))]
+            handles = [h for n in nodes
+                       for h in (n.register_prehook(enter), n.register_hook(lambda *g, n=n: leave(n, *g)))]
             try:
                 with self:
                     yield
@@ -111,6 +119,20 @@ if _GROUP is not None:
                 self._keeping.on = False
                 for h in handles:
                     h.remove()
-else:  # pragma: no cover - torch without GraphExecGroup: recording() never marks a stage
+
+
+def _saved_tensors(node: Any) -> list[torch.Tensor]:
+    """The tensors ``node`` saved for backward (its ``_saved_*`` attributes; reading one unpacks it, which
+    inside ``SharedRecompute.keeping`` keeps it for W)."""
+    out = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            v = getattr(node, name, None)
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+if _GROUP is None:  # pragma: no cover - torch without GraphExecGroup: recording() never marks a stage
     class SharedRecompute:  # type: ignore[no-redef]
         """Unavailable on this torch (``supported()`` is False)."""

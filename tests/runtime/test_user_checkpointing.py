@@ -25,7 +25,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.models import H, chain_batch, check_against_reference, criterion, make_data
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe")
-KINDS = ("wrapper", "function", "selective")
+KINDS = (None, "wrapper", "function", "selective")  # None: no checkpointing
 M = 6
 
 
@@ -93,10 +93,11 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
     got = []
     for sched, kind, defer, layers, x, labels in cases:
         local = sched.local_stages(rank)
-        mods = [_checkpointed_copy(layers[s], kind) for _, s in local]
+        mods = [copy.deepcopy(layers[s]) if kind is None else _checkpointed_copy(layers[s], kind) for _, s in local]
         if defer:
             mods = [defer_weight_grads(m) for m in mods]
         pipe = Pipeline(mods, sched, timeout=30)
+        pipe.record_activation_bytes = True
         m = sched.num_microbatches
         first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
         last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
@@ -105,7 +106,7 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
         loss, outs = pipe.step(*inp, num_chunks=m, criterion=criterion, labels=lab, return_outputs=True)
         got.append({"local": local, "loss": loss, "outputs": outs, "chain_end": last,
                     "grads": [[p.grad for p in mod.parameters()] for mod in mods],
-                    "calls": [mod.calls() for mod in mods]})
+                    "calls": [mod.calls() for mod in mods], "peak": pipe.peak_activation_bytes})
     return got
 
 
@@ -132,9 +133,23 @@ def test_each_checkpointed_block_recomputes_once_in_b(name):
         if sched.name != name:
             continue
         per_chain = {c: len(sched.microbatches_of(c)) for c in range(len(sched.placement))}
+        runs = 1 if kind is None else 2  # F, and with checkpointing once more in B (never in W)
         for r in res:
             for (c, s), calls in zip(r["local"], r["calls"]):
-                assert calls == [2 * per_chain[c]] * 2, (name, kind, defer, (c, s), calls)
+                assert calls == [runs * per_chain[c]] * 2, (name, kind, defer, (c, s), calls)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_checkpointing_lowers_the_recorded_activation_peak(name):
+    """The recorded peak (saved tensors, plus what B's recompute keeps for W) with checkpointing is below
+    the peak without, on every rank, for the generic split and for deferred W alike."""
+    cases, results = _results()
+    peaks = {(kind, defer): [r["peak"] for r in res]
+             for (sched, kind, defer, *_), res in zip(cases, results) if sched.name == name}
+    for defer in (False, True):
+        for kind in KINDS[1:]:
+            assert all(0 < ac < plain for ac, plain in zip(peaks[kind, defer], peaks[None, defer])), \
+                (name, kind, defer, peaks)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
