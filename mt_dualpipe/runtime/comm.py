@@ -34,6 +34,7 @@ instruction, the peer and the message.
 from __future__ import annotations
 
 import datetime
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -270,7 +271,7 @@ class P2P:
             dst, tag = self.peers_global[comm.peer], self.tag(key)
             for t in tensors:
                 if t is not None:
-                    ops.append((True, t if t.is_contiguous() else t.contiguous(), dst, tag))
+                    ops.append((True, _sendable(t), dst, tag))
                     owner.append(i)
         late = []
         for i, (comm, key) in enumerate(recvs):
@@ -287,7 +288,7 @@ class P2P:
         per_op = len(works) == len(ops)
         for i, (comm, _, _, free) in enumerate(sends):
             mine = [w for w, j in zip(works, owner) if j == i] if per_op else works
-            self.sends.append((mine, free, where, comm))
+            self.sends.append((mine, _weak(free), where, comm))
         for i, (_, key) in enumerate(recvs):
             r = self.recvs.get(key)
             if r is not None and r.where is where:
@@ -315,8 +316,8 @@ class P2P:
         g, peers, tag_of, dev = self.group, self.peers_group, self.tag, self.device
         for comm, key, tensors, free in sends:
             dst, tag = peers[comm.peer], tag_of(key)
-            works = [g.send([t if t.is_contiguous() else t.contiguous()], dst, tag) for t in tensors if t is not None]
-            self.sends.append((works, free, where, comm))
+            works = [g.send([_sendable(t)], dst, tag) for t in tensors if t is not None]
+            self.sends.append((works, _weak(free), where, comm))
         for comm, key in recvs:
             meta = self.cache.get(key)
             if meta is None:  # learn the shapes first; the data receive is posted at take()
@@ -397,7 +398,23 @@ class P2P:
             raise PipelineError(f"rank {self.rank}: the step ended with received messages nobody used: {keys}")
 
 
-def _release(tensors: Sequence[torch.Tensor]) -> None:
-    """Drop a sent output's storage; its autograd graph stays for the backward."""
-    for t in tensors:
-        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """What a send holds until it completes: the data, never the autograd graph.
+
+    A pending send keeps its tensor alive; the output itself would keep the stage's whole graph (and
+    under the split, B's retained saved tensors) alive until the send is reaped — on gloo, whose
+    sends report completion only once waited on, until the step's end."""
+    return t.detach() if t.is_contiguous() else t.detach().contiguous()
+
+
+def _weak(tensors: Sequence[torch.Tensor]) -> list[weakref.ref]:
+    """The outputs whose storage a completed send releases, held weakly: once W dropped one, it is gone."""
+    return [weakref.ref(t) for t in tensors]
+
+
+def _release(refs: Sequence[weakref.ref]) -> None:
+    """Drop a sent output's storage (if the stage still holds it); its autograd graph stays for the backward."""
+    for ref in refs:
+        t = ref()
+        if t is not None:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
