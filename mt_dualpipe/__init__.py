@@ -19,10 +19,12 @@ _LAZY = {
     "WeightGradStore": "mt_dualpipe.runtime.weight_grad",
     "split_model": "mt_dualpipe.runtime.split",
     "profile": "mt_dualpipe.planner.profile",
+    "from_pretrained": "mt_dualpipe.models.registry",
 }
 
 
-SUBPACKAGES = ("cli", "integrations", "parallel", "planner", "resilience", "runtime", "schedules", "visualize")
+SUBPACKAGES = ("cli", "integrations", "models", "parallel", "planner", "resilience", "runtime", "schedules",
+               "visualize")
 """Resolved on first use like the names above: ``mt_dualpipe.schedules`` loads no torch, ``runtime`` does."""
 
 

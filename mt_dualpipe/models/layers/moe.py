@@ -1,0 +1,108 @@
+"""The MoE block: router -> dispatch -> experts -> combine, each piece replaceable.
+
+- the router (``router.py``) gives each token k expert ids and gate weights (``Routing``);
+- ``LocalDispatch`` orders the (token, expert) pairs by expert (a stable sort, so a token's rows keep
+  their order) and gathers one row per pair; ``combine`` scatters the expert outputs, times their gate
+  weights, back onto their tokens. ``expert_parallel.EPDispatch`` implements the same two methods with
+  all-to-alls over an EP group (``ep_group=``), and the block's ``experts`` then hold only that rank's share;
+- ``Experts`` are one ``SwiGLUMLP`` per expert in a ``ModuleDict`` keyed by the *global* expert id, so
+  the state-dict names are transformers' per-expert checkpoint names
+  (``mlp.experts.7.gate_proj.weight``) and a shard's state dict is a subset of the full model's;
+- optional shared experts (DeepSeek, Qwen2-MoE) are a dense ``SwiGLUMLP`` added to the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...parallel.weight_kinds import set_weight_kind
+from .expert_parallel import EPDispatch, ep_size, local_expert_ids
+from .mlp import SwiGLUMLP
+from .router import Router, Routing
+
+
+@dataclass
+class DispatchPlan:
+    token_of: torch.Tensor  # (pairs,) source token of each dispatched row, rows ordered by expert
+    pair_of: torch.Tensor  # (pairs,) index into routing.weights.flatten() of each row
+    expert_rows: list[int]  # rows per local expert, in expert order
+
+
+class LocalDispatch:
+    """Every expert on this process: sort the pairs by expert, gather and scatter-add."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchPlan]:
+        flat = routing.indices.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        plan = DispatchPlan(token_of=order // routing.indices.size(1), pair_of=order, expert_rows=counts)
+        return x[plan.token_of], plan
+
+    def combine(self, rows: torch.Tensor, routing: Routing, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+        w = routing.weights.flatten()[plan.pair_of].unsqueeze(-1).to(rows.dtype)
+        out = rows.new_zeros(tokens, rows.size(-1))
+        return out.index_add(0, plan.token_of, rows * w)
+
+
+class Experts(nn.ModuleDict):
+    """Experts ``ids`` (global ids; all of them without expert parallelism), each a SwiGLU MLP."""
+
+    def __init__(self, hidden: int, intermediate: int, ids: Iterable[int]) -> None:
+        super().__init__({str(i): SwiGLUMLP(hidden, intermediate) for i in ids})
+
+    def run(self, rows: torch.Tensor, expert_rows: list[int]) -> torch.Tensor:
+        """Rows ordered by expert (``expert_rows`` per local expert) -> their outputs in the same order."""
+        chunks = rows.split(expert_rows)
+        outs = [expert(chunk) if chunk.size(0) else chunk for expert, chunk in zip(self.values(), chunks)]
+        return torch.cat(outs) if outs else rows
+
+
+class MoEBlock(nn.Module):
+    """``gate`` (the router) and ``experts.<id>`` (+ ``shared_expert``): transformers' names under ``mlp``."""
+
+    def __init__(self, hidden: int, intermediate: int, router: Router, *, shared_intermediate: int = 0,
+                 ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.gate = router
+        self.num_experts = router.num_experts
+        self.experts = Experts(hidden, intermediate, local_expert_ids(router.num_experts, ep_group))
+        self.shared_expert = SwiGLUMLP(hidden, shared_intermediate) if shared_intermediate else None
+        if ep_size(ep_group) > 1:
+            self.dispatcher: LocalDispatch | EPDispatch = EPDispatch(router.num_experts, ep_group)
+            set_weight_kind(self.experts, "expert")  # sharded over ep: gradients reduce over dp only
+        else:
+            self.dispatcher = LocalDispatch(router.num_experts)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.flatten(0, -2)
+        routing = self.gate(flat)
+        rows, plan = self.dispatcher.dispatch(flat, routing)
+        rows = self.experts.run(rows, plan.expert_rows)
+        out = self.dispatcher.combine(rows, routing, plan, flat.size(0)).view(h.shape)
+        return out if self.shared_expert is None else out + self.shared_expert(h)
+
+    def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+        """Nothing of its own: each expert's SwiGLU declares ``"selective"``; the router and dispatch are
+        never recomputed (they count loads and, with EP, talk to other ranks)."""
+        return iter(())
+
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
+        """Per token: the router's, its k dispatched rows with their expert outputs, and k times one
+        expert's per-row activations (the whole subtree: ``saved_elements_per_token`` does not descend)."""
+        if policy == "full":
+            return {}
+        k = self.gate.top_k
+        expert = next(iter(self.experts.values()), None)
+        rows = sum(expert.saved_per_token(policy, seq).values()) if expert is not None else 0
+        hidden = self.gate.weight.size(1)
+        shared = sum(self.shared_expert.saved_per_token(policy, seq).values()) if self.shared_expert else 0
+        return {**self.gate.saved_per_token(policy, seq), "dispatched_rows": k * hidden, "expert_out": k * hidden,
+                "expert_activations": k * rows, "shared_expert": shared}

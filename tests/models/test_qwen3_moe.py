@@ -1,0 +1,318 @@
+"""Qwen3-MoE on the shared model layer against transformers' ``Qwen3MoeForCausalLM`` (float64, tiny config)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
+from mt_dualpipe.models import from_pretrained
+from mt_dualpipe.models.layers import SoftmaxTopKRouter, saved_elements_per_token
+from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, criterion_for, stages_for_rank
+from mt_dualpipe.schedules import placements
+from tests.helpers import hf_reference
+from tests.helpers.dist import run_ranks
+from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+QWEN = "transformers.models.qwen3_moe.modeling_qwen3_moe"
+
+
+@pytest.fixture(autouse=True)
+def _float64_qwen(monkeypatch):
+    monkeypatch.setattr(hf_reference, "MODULES", hf_reference.MODULES + (QWEN,))
+
+
+def hf_config(norm_topk: bool = True, **kw):
+    base = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                norm_topk_prob=norm_topk, decoder_sparse_step=1, mlp_only_layers=[2], max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager",
+                experts_implementation="eager")
+    return transformers.Qwen3MoeConfig(**{**base, **kw})
+
+
+def tokens(seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_top_k_router_matches_transformers(norm):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    with float64_transformers():
+        ref = Qwen3MoeTopKRouter(hf_config(norm, num_experts=8, num_experts_per_tok=3)).double()
+        torch.nn.init.normal_(ref.weight, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(20, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            _, want_w, want_i = ref(x)
+    ours = SoftmaxTopKRouter(32, 8, 3, norm_topk_prob=norm).double()
+    with torch.no_grad():
+        ours.weight.copy_(ref.weight)
+    with torch.no_grad():
+        got = ours(x)
+    assert torch.equal(got.indices, want_i)
+    assert relative_error(got.weights, want_w) < 1e-14
+    assert torch.allclose(got.weights.sum(-1), torch.ones(20, dtype=torch.float64)) is norm
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("norm, sparse_step, yarn", [(True, 1, False), (False, 2, True)])
+def test_transformers_checkpoint_gives_the_same_logits_and_back(tmp_path, norm, sparse_step, yarn):
+    rope = {"rope_parameters": dict(YARN)} if yarn else {}
+    with float64_transformers():
+        torch.manual_seed(0)
+        hf = transformers.Qwen3MoeForCausalLM(hf_config(norm, decoder_sparse_step=sparse_step, **rope)).double().eval()
+        randomize(hf, 1)
+        hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+        with torch.no_grad():
+            ref = hf(tokens()).logits
+    ours = from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    assert isinstance(ours, Qwen3MoeForCausalLM)
+    c = ours.config
+    assert (c.num_experts, c.norm_topk_prob, c.decoder_sparse_step, c.mlp_only_layers) == (4, norm, sparse_step, (2,))
+    moe = [i for i in range(4) if c.is_moe_layer(i)]
+    assert moe == ([0, 1, 3] if sparse_step == 1 else [1, 3])
+    with torch.no_grad():
+        err = relative_error(ours(tokens()), ref)
+    print(f"qwen3_moe logits max relative error vs transformers (float64): {err:.3e}")
+    assert err < 1e-12, err
+    assert (c.rope.kind == "yarn") is yarn
+    # ours -> transformers: the same logits; ours -> HF layout -> ours: bit-equal
+    ours.save_pretrained(tmp_path / "ours", max_shard_size=20_000)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    with float64_transformers():
+        again = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float64,
+                                                                 attn_implementation="eager",
+                                                                 experts_implementation="eager").eval()
+        assert again.config.num_experts == 4 and again.config.mlp_only_layers == [2]
+        with torch.no_grad():
+            assert relative_error(again(tokens()).logits, ref) < 1e-12
+    back = from_pretrained(tmp_path / "ours", dtype=torch.float64)
+    assert back.config == ours.config
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+@pytest.fixture
+def saved(tmp_path):
+    config = Qwen3MoeConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double()
+    model.save_pretrained(tmp_path, max_shard_size=20_000)
+    return config, model, tmp_path
+
+
+@pytest.mark.parametrize("placement", ["v", "dual"])
+def test_stages_read_only_their_tensors_and_match_the_model(saved, monkeypatch, placement):
+    config, model, path = saved
+    place = placements.make_placement(placement, 2, 4)
+    read: list[str] = []
+    real = hf_checkpoint.Checkpoint.read
+
+    def recording(self, names):
+        for name, t in real(self, names):
+            read.append(name)
+            yield name, t
+
+    monkeypatch.setattr(hf_checkpoint.Checkpoint, "read", recording)
+    by_rank = [stages_for_rank(config, place, r, checkpoint=path, dtype=torch.float64) for r in range(2)]
+    every = [st for mods in by_rank for st in mods]
+    assert sorted(read) == sorted(k for st in every for k in st.state_dict())
+    stages = sorted({st.index: st for st in every}.values(), key=lambda st: st.index)
+    x, y = tokens()[:, :-1] % config.vocab_size, tokens()[:, 1:] % config.vocab_size
+    h = x
+    for st in stages[:-1]:
+        h = st(h)
+    assert torch.equal(stages[-1].criterion(stages[-1](h), y), model(x, y))
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_recompute_policies_give_the_same_gradients(policy):
+    from mt_dualpipe.models.qwen3_moe import build_stages
+
+    config = Qwen3MoeConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double()
+    x, y = tokens()[:, :-1] % config.vocab_size, tokens()[:, 1:] % config.vocab_size
+    grads = {}
+    for pol in ("none", policy):
+        (st,) = build_stages(config, 1, source=model, dtype=torch.float64, recompute=pol, defer_weight_grads=False)
+        st.criterion(st(x), y).backward()
+        grads[pol] = {n: p.grad for n, p in st.named_parameters()}
+        if pol != "none":
+            assert st.recompute_calls  # the regions ran (forward + recompute in backward)
+    for n, g in grads["none"].items():
+        assert torch.allclose(grads[policy][n], g, rtol=0, atol=1e-13), n
+    layer = model.model.layers["1"]
+    seq = 16
+    assert (saved_elements_per_token(layer, "full", seq) < saved_elements_per_token(layer, "selective", seq)
+            < saved_elements_per_token(layer, "none", seq))
+
+
+# ----- 2 gloo ranks ------------------------------------------------------------------------------------------
+NUM_MB = 4
+
+
+def batch(config: Qwen3MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, config.vocab_size, (NUM_MB * 2, 9), generator=torch.Generator().manual_seed(7))
+    return t[:, :-1], t[:, 1:]
+
+
+def _pipeline_worker(rank: int, world: int, schedule: str, policy: str) -> dict:
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    torch.set_num_threads(1)
+    sched = build_schedule(schedule, world, NUM_MB)
+    config = Qwen3MoeConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double()
+    mods = stages_for_rank(config, sched, rank, source=model, dtype=torch.float64, recompute=policy)
+    x, y = batch(config)
+    pipe = Pipeline(mods, sched, timeout=120)
+    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
+    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
+    pick = lambda t, c: torch.cat([torch.tensor_split(t, NUM_MB)[m] for m in sched.microbatches_of(c)])  # noqa: E731
+    inputs = [pick(x, first[0])] if first else []
+    labels = (pick(y, last[0]),) if last else ()
+    pipe.step(*inputs, num_chunks=NUM_MB, criterion=criterion_for(mods), labels=labels)
+    grads = {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
+    return {"grads": grads, "closures": pipe.store.closures_run}
+
+
+@pytest.mark.parametrize("schedule, policy", [("zbv", "none"), ("dualpipev", "none"), ("zbv", "selective")])
+def test_pipeline_gradients_equal_one_process(schedule, policy):
+    config = Qwen3MoeConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double()
+    x, y = batch(config)
+    for xm, ym in zip(torch.tensor_split(x, NUM_MB), torch.tensor_split(y, NUM_MB)):
+        model(xm, ym).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    for res in run_ranks(_pipeline_worker, 2, schedule, policy, timeout=300):
+        assert res["closures"] > 0  # weight gradients deferred to W (DeferredLinear)
+        for n, g in res["grads"].items():
+            got[n] = got[n] + g if n in got else g
+    assert sorted(got) == sorted(n for n, g in want.items() if g is not None)
+    assert all(want[n].abs().max() > 0 for n in got)
+    worst = max(relative_error(got[n], want[n]) for n in got)
+    print(f"{schedule} ({policy}): worst per-parameter relative gradient difference vs one process: {worst:.3e}")
+    assert worst < 1e-12, worst
+
+
+def test_pipeline_save_round_trips(saved, tmp_path):
+    from mt_dualpipe.models.qwen3_moe import build_stages, save_pipeline_checkpoint
+
+    config, model, path = saved
+    stages = build_stages(config, 3, checkpoint=path, dtype=torch.float64)
+    out = save_pipeline_checkpoint(stages, tmp_path / "again")
+    back = from_pretrained(out, dtype=torch.float64)
+    assert back.config == config
+    assert back.state_dict().keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+# ----- expert parallelism (2 gloo ranks, EP group = world) ------------------------------------------------
+def _ep_worker(rank: int, world: int, path: str, policy: str) -> dict:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    read: list[str] = []
+    real = hf_checkpoint.Checkpoint.read
+
+    def recording(self, names):
+        for name, t in real(self, names):
+            read.append(name)
+            yield name, t
+
+    hf_checkpoint.Checkpoint.read = recording
+    model = from_pretrained(path, dtype=torch.float64, ep_group=dist.group.WORLD)
+    hf_checkpoint.Checkpoint.read = real
+    (stage,) = build_ep_stage(model, policy)
+    x, y = batch(model.config)
+    xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+    with torch.no_grad():
+        out_logits = model(xr)
+    stage.criterion(stage(xr), yr).backward()
+    return {"read": read, "logits": out_logits, "experts": sorted(model.model.layers["1"].mlp.experts),
+            "grads": {n: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}}
+
+
+def build_ep_stage(model, policy):
+    import torch.distributed as dist
+
+    from mt_dualpipe.models.qwen3_moe import build_stages
+
+    return build_stages(model.config, 1, source=model, dtype=torch.float64, recompute=policy,
+                        defer_weight_grads=False, ep_group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_expert_parallel_2_matches_one_process(saved, policy):
+    config, model, path = saved
+    x, y = batch(config)
+    with torch.no_grad():
+        want_logits = model(x)
+    for xr, yr in zip(x.chunk(2), y.chunk(2)):
+        model(xr, yr).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    results = run_ranks(_ep_worker, 2, str(path), policy, timeout=300)
+    assert [r["experts"] for r in results] == [["0", "1"], ["2", "3"]]
+    for rank, r in enumerate(results):  # each rank read its own experts and every dense tensor, once
+        experts = {n for n in r["read"] if ".experts." in n}
+        assert experts and all(int(n.split(".experts.")[1].split(".")[0]) // 2 == rank for n in experts)
+        assert len(r["read"]) == len(set(r["read"]))
+    assert relative_error(torch.cat([r["logits"] for r in results]), want_logits) < 1e-13
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        for n, g in r["grads"].items():
+            got[n] = got[n] + g if n in got else g  # dense: summed over EP ranks; experts: one rank each
+    assert sorted(got) == sorted(want)
+    worst = max(relative_error(got[n], want[n]) for n in got)
+    print(f"EP 2 ({policy}): worst relative gradient difference vs one process: {worst:.3e}")
+    assert worst < 1e-12, worst
+
+
+def test_30b_a3b_preset_and_planner_spec():
+    from mt_dualpipe.models.qwen3_moe.spec import planner_spec
+
+    config = Qwen3MoeConfig.preset("30b-a3b")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    assert model.num_parameters() == 30_532_122_624  # Qwen3-30B-A3B as published
+    spec = planner_spec(config)
+    qk_norms = config.num_hidden_layers * 2 * config.head_dim  # the one thing the planner leaves out
+    assert spec.total_params() + qk_norms == model.num_parameters()
+    assert 3.3e9 < spec.activated_params() < 3.4e9
+    with pytest.raises(ValueError, match=r"dense layers are \[2\]"):
+        planner_spec(config.replace(num_hidden_layers=4, mlp_only_layers=(2,)))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_declared_saved_bytes_are_within_15_percent_of_what_autograd_keeps(moe, policy):
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
+    from mt_dualpipe.models.qwen3_moe import Qwen3MoeDecoderLayer
+
+    config = Qwen3MoeConfig.preset("tiny", hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
+                                   num_experts=8, head_dim=16)
+    torch.manual_seed(0)
+    layer = Qwen3MoeDecoderLayer(config, 1 if moe else 0)
+    assert config.is_moe_layer(1) and not config.is_moe_layer(0)
+    apply_recompute(layer, policy)
+    b, s = 2, 64
+    x = torch.randn(b, s, 64, requires_grad=True)
+    meter = SavedActivationMeter(exclude=list(layer.parameters()))
+    with meter.measure():
+        layer(x)
+    declared = (saved_elements_per_token(layer, policy, s) + (64 if policy == "full" else 0)) * b * s * 4
+    assert abs(declared / meter.peak - 1) < 0.15, (declared, meter.peak)
