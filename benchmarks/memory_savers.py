@@ -8,6 +8,8 @@
   against BF16/FP32 rows, and the loss over the same steps.
 
     python benchmarks/memory_savers.py [--steps 30] [--ema-rounds 5]
+
+The activation savers (``DeepSeekV3Config.memory_savers``) have their own table: ``activation_savers.py``.
 """
 
 from __future__ import annotations

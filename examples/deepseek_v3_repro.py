@@ -69,6 +69,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     sync_expert_load,
     update_expert_bias,
 )
+from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers, set_ep_group, set_timeout  # noqa: E402
 from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
@@ -131,6 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8-dispatch", action="store_true", help="send the MoE dispatch all-to-all in FP8")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                    help="activation recompute policy of the stages (mt_dualpipe.integrations.recompute), default none")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
+                   help="torch.compile each block's memory-bound parts, linears kept eager so W keeps their\n"
+                        "weight GEMMs (mt_dualpipe.integrations.compile); backend default inductor")
+    p.add_argument("--memory-savers", default="none", metavar="NAMES",
+                   help="DeepSeek-V3's activation savers (DeepSeekV3Config.memory_savers): 'all', 'none' (default)\n"
+                        "or a comma-separated subset of norm, swiglu, combine, router, attention, loss, mla_input;\n"
+                        "the summary puts the planner's peak for the same savers next to the recorded one")
     p.add_argument("--bf16-moments", action="store_true", help="AdamW moments in BF16 (mt_dualpipe.optim.AdamWBF16)")
     p.add_argument("--cpu-ema", type=float, default=None, metavar="DECAY",
                    help="keep a parameter EMA with this decay on the CPU, updated in the background after each step")
@@ -272,6 +280,7 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
         config = config.with_balance(args.balance)
     if args.fp8_dispatch:
         config = config.replace(fp8_dispatch=True)
+    config = config.replace(memory_savers=args.memory_savers)
     mbs = args.microbatches or default_microbatches(args.schedule, world)
     options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
     sched = build_schedule(args.schedule, world, mbs, **options)
@@ -282,12 +291,12 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
                           tokenizer=tokenizer, val_every=args.val_every, seed=args.seed)
     if args.from_pretrained:  # only this rank's stages' tensors are read (and, with --ep, only its experts)
         mods = stages_for_rank(config, sched, pp_rank, list(split.counts), checkpoint=args.from_pretrained,
-                               mesh=dims, fp8=args.fp8, recompute=args.recompute)
+                               mesh=dims, fp8=args.fp8, recompute=args.recompute, compile=args.compile or False)
     else:
         torch.manual_seed(args.seed)
         full = DeepSeekV3Model(config)  # every rank builds the same weights, then keeps its stages
         mods = stages_for_rank(config, sched, pp_rank, list(split.counts), source=full, mesh=dims,
-                               recompute=args.recompute)
+                               recompute=args.recompute, compile=args.compile or False)
         del full
     fp8_backend = fp8_gemm = None
     if args.fp8:
@@ -623,6 +632,44 @@ def optimizer_state_bytes(run: RankSetup, world: int) -> list[tuple[int, int]]:
     return everyone
 
 
+def fp8_weight_copies(run: RankSetup, world: int) -> list[tuple[int, int]]:
+    """Every rank's (pipeline rank, bytes of its FP8 linears' cached E4M3 weights and scales) (collective): the
+    runtime's recorder counts those copies (autograd saves them), the planner counts them as weights."""
+    from mt_dualpipe.integrations.fp8.linear import FP8Linear
+
+    own = sum(q.data.numel() * q.data.element_size() + q.scale.numel() * q.scale.element_size()
+              for m in run.mods for lin in m.modules() if isinstance(lin, FP8Linear)
+              for q in (lin.quantized_weight(),))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (run.pp_rank, int(own)))
+    return everyone
+
+
+def planned_activation_peaks(args: argparse.Namespace, run: RankSetup) -> list[float]:
+    """The planner's peak of saved-activation bytes per pipeline rank for this run: its stage split, schedule,
+    precision, recompute policy and memory savers (``planner.activations``, ``estimate.activation_peak_bytes``),
+    with the eager core attention the demo runs."""
+    from mt_dualpipe.planner import ModelSpec
+    from mt_dualpipe.planner.activations import FP8_LIN, memory_savers
+    from mt_dualpipe.planner.estimate import activation_peak_bytes
+
+    config, sched = run.config, run.schedule
+    elem = next(p for m in run.mods for p in m.parameters()).element_size()
+    with memory_savers(config.memory_savers):
+        items = ModelSpec.from_deepseek_config(config).items(
+            args.seq_len, act_unit=FP8_LIN if args.fp8 else float(elem), recompute=args.recompute, elem=float(elem),
+            micro_batch_size=args.micro_batch_size, attention="eager")
+    tokens = args.seq_len * args.micro_batch_size
+    counts, k, act, held = list(run.split.counts), 0, [], []
+    for i, n in enumerate(counts):
+        n += (i == 0) + (i == len(counts) - 1)  # + the embedding, + the head (and MTP)
+        act.append(sum(it.act_bytes for it in items[k:k + n]) * tokens)
+        held.append(sum(it.w_act_bytes for it in items[k:k + n]) * tokens)
+        k += n
+    hidden = [0.0] + [config.dim * elem * tokens] * (len(counts) - 1)
+    return [activation_peak_bytes(sched.ranks[r], act, held, hidden) for r in range(args.pp)]
+
+
 def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
     from mt_dualpipe.visualize.measured import compare_bubble
 
@@ -650,7 +697,12 @@ def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
         "first_step": history["first_step"],
         "loss": history["loss"], "mtp_loss": history["mtp_loss"], "expert_load_max_violation": history["balance"],
         "tokens_per_s": sum(steady) / len(steady) if steady else None,
-        "recompute": args.recompute, "activation_peak_bytes_per_rank": history["activation_peak_bytes"],
+        "recompute": args.recompute, "compile": args.compile,
+        "activation_peak_bytes_per_rank": history["activation_peak_bytes"],
+        "memory_savers": sorted(run.config.memory_savers),
+        "planned_activation_peak_bytes_per_pp_rank": planned_activation_peaks(args, run),
+        "pp_rank_per_rank": [r for r, _ in history["rank_stages"]],
+        "fp8_weight_copy_bytes_per_rank": [b for _, b in history["rank_stages"]],
         "step_time_s": args.global_batch * args.seq_len * len(steady) / sum(steady) if steady else None,
         "bubble_rate": bubble,
         "rewind": not args.no_rewind, "snapshot_every": None if args.no_rewind else args.snapshot_every,
@@ -685,6 +737,13 @@ def report(summary: dict) -> None:
         if peaks:
             t.add_row(f"saved activations peak per rank (recompute {summary['recompute']})",
                       " ".join(f"{p / 2**20:.2f}" for p in peaks) + " MiB")
+        savers = summary["memory_savers"]
+        savers = "all" if len(savers) == len(MEMORY_SAVERS) else ",".join(savers) or "none"
+        planned = summary["planned_activation_peak_bytes_per_pp_rank"]
+        copies = summary["fp8_weight_copy_bytes_per_rank"]  # recorded with the activations, weights to the planner
+        per_rank = [planned[r] + (c if summary["fp8"] else 0) for r, c in zip(summary["pp_rank_per_rank"], copies)]
+        t.add_row(f"planner's peak per rank (savers: {savers}{', + FP8 weight copies' if summary['fp8'] else ''})",
+                  " ".join(f"{p / 2**20:.2f}" for p in per_rank) + " MiB")
     val = summary["val_loss"]
     if val and val[0] is not None:
         t.add_row("validation loss (before → after)", f"{val[0]:.3f} → {val[1]:.3f}")
@@ -781,6 +840,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         history["val_loss"] = [before, validation_loss(args, run, stepper.pipeline, rank, world)]
         history["optimizer_state_bytes"] = optimizer_state_bytes(run, world)
         history["activation_peak_bytes"] = activation_peaks(stepper, world)
+        history["rank_stages"] = fp8_weight_copies(run, world)
         if args.save_pretrained:  # collective: each rank writes its stages' tensors, rank 0 the index
             from mt_dualpipe.integrations.deepseek_v3 import save_pipeline_checkpoint
 

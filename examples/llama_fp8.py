@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", default="fp32", choices=PRECISIONS, help="what FP8 is compared with, default fp32")
     p.add_argument("--window", type=int, default=10, help="steps averaged for the final-loss gap, default 10")
     p.add_argument("--val-batches", type=int, default=2, help="held-out batches after training, default 2")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
+                   help="torch.compile each layer's memory-bound parts, linears kept eager so W keeps their\n"
+                        "weight GEMMs (mt_dualpipe.integrations.compile); backend default inductor")
     p.add_argument("--corpus", nargs="+", default=None, metavar="FILE|DIR",
                    help="train on local text (streamed, packed) instead of the synthetic task")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json for --corpus (default bytes)")
@@ -116,7 +119,7 @@ def train_one(args, precision: str, rank: int, world: int) -> dict:
     config, batch = make_data(args, sched)
     torch.manual_seed(args.seed)
     full = LlamaForCausalLM(config)
-    mods = stages_for_rank(config, sched, rank, source=full, fp8=precision == "fp8")
+    mods = stages_for_rank(config, sched, rank, source=full, fp8=precision == "fp8", compile=args.compile or False)
     del full
     if precision == "bf16":
         mods = [m.to(torch.bfloat16) for m in mods]
@@ -205,6 +208,7 @@ def report(args: argparse.Namespace, runs: dict) -> dict:
     if plot(runs, args.baseline, result, args.out, title):
         print(f"loss curves written to {args.out}")
     summary = {"schedule": args.schedule, "ranks": args.ranks, "steps": args.steps, "baseline": args.baseline,
+               "compile": args.compile,
                "data": args.corpus or "synthetic", "runs": runs, **result}
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=1))

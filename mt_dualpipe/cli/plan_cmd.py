@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..planner import ModelSpec, plan
+from ..planner.activations import memory_savers
 from ..planner.report import print_plan
 from ..planner.runnable import ZERO_STAGES, demo_command, launch, zero_from_config
 from ..planner.system import load_system, parse_size_gb
@@ -35,8 +36,8 @@ def register(subparsers) -> None:
                     "terms, and 'command', a command line running that layout in miniature in "
                     "examples/deepseek_v3_repro.py): today it runs recompute none, selective and full, dp_mode "
                     "allreduce (--zero 0), zero1 (--zero 1) or fsdp (--zero 3, without expert parallelism or "
-                    "weights tied across stages), tp 1. Unrunnable ones are marked, not hidden, unless "
-                    "--runnable-only.")
+                    "weights tied across stages), tp 1 (--tp sizes are estimated, Megatron-style with sequence "
+                    "parallelism, and marked). Unrunnable ones are marked, not hidden, unless --runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
                    "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
                    "an error)")
@@ -54,6 +55,8 @@ def register(subparsers) -> None:
     p.add_argument("--mbs", type=_int_list, default=None, help="micro-batch sizes to try, e.g. 1,2 (default 1)")
     p.add_argument("--pp", type=_int_list, default=None, help="pipeline sizes to try (default: divisors <= 32)")
     p.add_argument("--ep", type=_int_list, default=None, help="expert-parallel sizes to try (default: all valid)")
+    p.add_argument("--tp", type=_int_list, default=None, help="tensor-parallel sizes to try (default 1; Megatron-style "
+                   "with sequence parallelism; estimated, marked not runnable where the runtime cannot launch them)")
     p.add_argument("--schedules", default=None, help="schedules to try, comma-separated (default: all hand ones)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
@@ -67,6 +70,10 @@ def register(subparsers) -> None:
                    "layouts (a few seconds each)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
+    p.add_argument("--memory-savers", default="none",
+                   help="DeepSeek-V3's activation savers to count, as the runtime's DeepSeekV3Config.memory_savers: "
+                        "'all', 'none' (default) or a comma-separated subset of norm, swiglu, combine, router, "
+                        "attention (planner/activations.py)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -99,10 +106,12 @@ def strategy_options(path: str | None) -> dict:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ScheduleError(f"cannot read strategy JSON {path!r}: {exc}") from exc
-    if data.get("tp_size", 1) != 1:
-        raise ScheduleError(f"tensor parallelism is not modelled: the strategy has tp_size={data['tp_size']}, "
-                            "allowed: 1")
     out: dict = {}
+    if "tp_size" in data:
+        tp = int(data["tp_size"])
+        if tp < 1:
+            raise ScheduleError(f"strategy JSON {path!r}: tp_size must be >= 1, got {data['tp_size']}")
+        out["tp"] = [tp]
     if "pp_size" in data:
         out["pp"] = [int(data["pp_size"])]
     if "ep_size" in data:
@@ -148,6 +157,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["pp"] = args.pp
     if args.ep:
         options["ep"] = args.ep
+    if args.tp:
+        options["tp"] = args.tp
     if args.mbs:
         options["micro_batch_sizes"] = tuple(args.mbs)
     if args.seq_len:
@@ -160,8 +171,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     if args.auto < 0:
         raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
-    result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto, runnable_only=args.runnable_only,
-                  **options)
+    with memory_savers(args.memory_savers):
+        result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto,
+                      runnable_only=args.runnable_only, **options)
     print_plan(result, args.top)
     command = best_command(result)
     if command:

@@ -51,7 +51,10 @@ by every micro-batch: weight memory, ``estimate.weight_bytes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from ..schedules.errors import ScheduleError
 
@@ -62,6 +65,39 @@ FP8_LIN = 1.0 + 4.0 / FP8_TILE
 """Bytes per element of an FP8-cached linear input: E4M3 + a float32 scale per 1×128 tile
 (``integrations/fp8/quantize.py``; exact when the feature count is a multiple of 128, as in
 DeepSeek-V3)."""
+
+
+SAVERS = ("norm", "swiglu", "combine", "router", "attention", "loss", "mla_input")
+"""DeepSeek-V3's activation savers, as ``integrations.deepseek_v3.config.MEMORY_SAVERS`` names them."""
+
+_savers: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("memory_savers", default=frozenset())
+
+
+def active_savers() -> frozenset[str]:
+    """The savers counted by ``Dtypes`` built now (``memory_savers``); none outside it."""
+    return _savers.get()
+
+
+@contextlib.contextmanager
+def memory_savers(names: Iterable[str] | str) -> Iterator[frozenset[str]]:
+    """Count DeepSeek-V3's memory savers ``names`` (``SAVERS``, ``"all"``, or a comma-separated string)
+    in every estimate made inside the block, as the modules built with ``DeepSeekV3Config(memory_savers=
+    names)`` keep them. A context rather than an argument so every ``Dtypes`` the planner builds for one
+    plan sees the same set; the savers describe DeepSeek-V3's modules (Llama's are unchanged by them)."""
+    raw = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+    got: set[str] = set()
+    for name in raw:
+        if name == "all":
+            got.update(SAVERS)
+        elif name in SAVERS:
+            got.add(name)
+        elif name not in ("", "none"):
+            raise ScheduleError(f"unknown memory saver {name!r}; choose from {', '.join(SAVERS)} or 'all'")
+    token = _savers.set(frozenset(got))
+    try:
+        yield frozenset(got)
+    finally:
+        _savers.reset(token)
 
 
 @dataclass(frozen=True)
@@ -75,6 +111,10 @@ class Dtypes:
     comp: float = 4.0
     fused_attention: bool = False
     fp8: bool = False
+    savers: frozenset[str] = field(default_factory=active_savers)
+
+    def saves(self, name: str) -> bool:
+        return name in self.savers
 
     def linear_input(self, d: int, readers: int = 1) -> float:
         """Bytes one token's ``d``-feature input keeps for the ``readers`` linears that read it: one
@@ -95,23 +135,32 @@ def attention_kind(name: str) -> bool:
 def rms_norm(d: int, t: Dtypes, input_saved: bool = False) -> float:
     """Float32 input, normalised input and the reciprocal RMS of one RMSNorm over ``d`` features.
     ``input_saved``: the input is already counted elsewhere, which is its float32 view only in a
-    float32 model (otherwise the norm keeps its own upcast copy)."""
+    float32 model (otherwise the norm keeps its own upcast copy). With the ``"norm"`` saver the norm
+    keeps its input only (``mla.RMSNorm(recompute=True)``), nothing if that is counted elsewhere."""
+    if t.saves("norm"):
+        return 0.0 if input_saved else d * t.elem
     upcast = 0.0 if input_saved and t.elem == t.comp else d * t.comp
     return upcast + d * t.comp + t.comp
 
 
-def swiglu(ffn: int, t: Dtypes, recompute_product: bool = False) -> float:
+def swiglu(ffn: int, t: Dtypes, recompute_product: bool = False, weighted: bool = False) -> float:
     """One SwiGLU MLP's saved tensors past its input: gate and up (+ silu(gate) unless the product is
-    recomputed) and the down-projection's input."""
-    return (2 if recompute_product else 3) * ffn * t.elem + ffn * t.lin
+    recomputed) and the down-projection's input. The ``"swiglu"`` saver (DeepSeek's ``MLP``) keeps gate
+    and up only, in E4M3 + 1×128 scales with FP8 linears (``moe.SwiGLU``). ``weighted``: the routed
+    expert's output is scaled by its gate weight before the down-projection (``"combine"``): without the
+    saver the unscaled product is kept too (the weight itself is counted by ``moe_saved``)."""
+    if t.saves("swiglu"):  # with FP8 the down-projection's input is rebuilt in B too (``fp8_swiglu_down``)
+        return 2 * ffn * FP8_LIN if t.fp8 else 2 * ffn * t.elem + ffn * t.lin
+    return (2 if recompute_product else 3) * ffn * t.elem + ffn * t.lin + (ffn * t.elem if weighted else 0.0)
 
 
 def core_attention(heads: int, dqk: int, v_store: int, seq: int, mbs: int, t: Dtypes) -> float:
     """QKᵀ operands, probabilities (compute dtype, plus a model-dtype copy), the causal mask and the
     storage the ·V einsum's v lives in (``v_store`` elements per token). A fused (flash) core keeps
-    q, k, v and one log-sum-exp per head instead of the probabilities and the mask."""
-    if t.fused_attention:
-        return heads * (2 * dqk + v_store // heads) * t.elem + heads * t.comp
+    q, k, v and one log-sum-exp per head instead of the probabilities and the mask; the ``"attention"``
+    saver (``mla._RecomputedCore``) keeps q, k and a contiguous v, and rebuilds the rest in B."""
+    if t.fused_attention or t.saves("attention"):
+        return heads * (2 * dqk + v_store // heads) * t.elem + (heads * t.comp if t.fused_attention else 0.0)
     probs = heads * seq * (t.comp + (t.elem if t.elem != t.comp else 0.0))
     return heads * 2 * dqk * t.elem + v_store * t.elem + probs + seq * MASK / mbs
 
@@ -136,6 +185,12 @@ class Attention:
     rope_dim: int = 0   # MLA's decoupled rope dim; GQA's rope covers dqk
 
 
+def mla_readers(a: Attention, t: Dtypes) -> int:
+    """FP8 copies of MLA's input: one per down-projection (``wq_a``, ``wkv_a``), one shared by both with the
+    ``"mla_input"`` saver (``MLA.latents``; without a query LoRA ``wq`` and ``wkv_a`` keep one each)."""
+    return 1 if t.saves("mla_input") and a.q_lora else 2
+
+
 def mla_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> float:
     """MLA sublayer (DeepSeek-V3): attention norm, projections, core, output projection's input."""
     h = a.hidden
@@ -143,19 +198,24 @@ def mla_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> fl
         return h * t.elem
     # v is a slice of wkv_b's output: with one sequence per micro-batch the einsum reads it as a view
     # (the whole k_nope|v buffer stays), with more it copies v out
-    v_store = a.heads * (a.dv + (a.dqk - a.rope_dim if mbs == 1 and not t.fused_attention else 0))
+    flash = t.fused_attention or t.saves("attention")
+    v_store = a.heads * (a.dv + (a.dqk - a.rope_dim if mbs == 1 and not flash else 0))
     kept = core_attention(a.heads, a.dqk, v_store, seq, mbs, t) + a.heads * a.dv * t.lin
     if recompute == "selective":  # MLA.attend recomputed: the latents (its inputs) stay, q/k/v do not
-        kept = rms_norm(h, t) + t.linear_input(h, 2) + (a.q_lora + a.kv_lora + a.rope_dim) * t.elem \
+        kept = rms_norm(h, t) + t.linear_input(h, mla_readers(a, t)) + (a.q_lora + a.kv_lora + a.rope_dim) * t.elem \
             + a.heads * a.dv * t.lin
         # a fused core also keeps its log-sum-exp per head (its output is wo's input): its backward rebuilds
         # the probabilities from the recomputed q, k and that, so the core's forward is not re-run
         return kept + (a.heads * t.comp if t.fused_attention else 0.0)
-    proj = rms_norm(h, t) + t.linear_input(h, 2) + rope(a.rope_dim, mbs, t)  # q and kv down-projections
+    proj = rms_norm(h, t) + t.linear_input(h, mla_readers(a, t)) + rope(a.rope_dim, mbs, t)  # q/kv down-projections
     if a.q_lora:
         proj += rms_norm(a.q_lora, t) + a.q_lora * t.lin
     # the kv norm reads the latent slice of wkv_a's output: a float32 model saves that view (the whole
     # latent|rope buffer's storage), another model the slice's float32 copy
+    # (with the "norm" saver the norm keeps that view: the whole buffer)
+    if t.saves("norm"):
+        proj += (a.kv_lora + a.rope_dim) * t.elem + a.kv_lora * t.lin
+        return proj + kept
     kv_in = (a.kv_lora + a.rope_dim) * t.elem if t.elem == t.comp else a.kv_lora * t.comp
     proj += kv_in + a.kv_lora * t.comp + t.comp + a.kv_lora * t.lin  # kv norm, wkv_b's input
     return proj + kept
@@ -200,32 +260,46 @@ def moe_saved(m: Moe, t: Dtypes, recompute: str, seq: int = 1, mbs: int = 1) -> 
     """FFN sublayer of a MoE layer: norm, routing, dispatch, experts, combine. The dispatched rows are
     kept once, as the experts' inputs (their bf16 buffer, or with FP8 each expert's one FP8 copy)."""
     h, k = m.hidden, m.topk
-    out = rms_norm(h, t) + h * t.comp  # the router reads the norm output in the compute dtype
-    if t.elem != t.comp:  # ... with its weight cast to it: one copy per micro-batch
-        out += m.experts * h * t.comp / (seq * mbs)
     # under "full" the experts and the shared expert are recomputed regions: each keeps its input as
     # given (model dtype), not the FP8 copy its linears would keep
     cached = t.elem if recompute == "full" else t.lin
-    if m.shared_ffn and t.lin != t.comp:
+    shared_copy = bool(m.shared_ffn) and t.lin != t.comp
+    out = rms_norm(h, t)
+    if t.saves("router") and t.saves("norm"):  # rebuilt in B from the norm's input, which the norm keeps
+        pass
+    elif t.saves("router"):  # the norm output as given: the shared expert's input already, unless that is FP8
+        out += 0.0 if shared_copy and cached == t.elem else h * t.elem
+    else:
+        out += h * t.comp  # the router reads the norm output in the compute dtype
+        if t.elem != t.comp:  # ... with its weight cast to it: one copy per micro-batch
+            out += m.experts * h * t.comp / (seq * mbs)
+    if shared_copy:
         out += h * cached  # the shared expert's own copy of its input
     out += m.experts * t.comp + k * t.comp + 3 * t.comp + 2 * k * INDEX  # router, balance terms, gather index
     out += k * h * cached  # dispatched rows: the experts' inputs
+    weighted = t.saves("combine")
     if recompute != "full":
-        out += k * swiglu(m.ffn, t) + (swiglu(m.shared_ffn, t) if m.shared_ffn else 0.0)
+        out += k * swiglu(m.ffn, t, weighted=weighted) + (swiglu(m.shared_ffn, t) if m.shared_ffn else 0.0)
+    if weighted:  # the rows' gate weights (pair index, model-dtype copy) reach the experts; a plain sum
+        return out + k * INDEX + k * INDEX + k * t.elem
     return out + k * INDEX + k * t.elem + k * h * t.elem  # combine: unsort index, weights, gathered rows
 
 
-def head_saved(hidden: int, vocab: int, t: Dtypes) -> float:
+def head_saved(hidden: int, vocab: int, t: Dtypes, norm_recomputed: bool = False) -> float:
     """Final norm, the head's input (never FP8: model dtype), the log-probabilities (compute dtype)
-    and the targets."""
-    return rms_norm(hidden, t) + hidden * t.elem + vocab * t.comp + INDEX
+    and the targets. The pipeline's last stage builds its final norm without the ``"norm"`` saver
+    (``stages.py``); an MTP depth's norm has it (``norm_recomputed``). With the ``"loss"`` saver the
+    cross-entropy keeps the model-dtype logits instead of the float32 log-probabilities."""
+    plain = Dtypes(t.elem, t.lin, t.comp, t.fused_attention, t.fp8, t.savers - {"norm"})
+    probs = vocab * (t.elem if t.saves("loss") else t.comp)
+    return rms_norm(hidden, t if norm_recomputed else plain) + hidden * t.elem + probs + INDEX
 
 
 def mtp_extra_saved(hidden: int, vocab: int, t: Dtypes) -> float:
     """One MTP depth besides its block: the embedding's ids, the two input norms (the hidden half's
     input is the previous head's norm output, already saved), the projection's input and a head."""
     return INDEX + rms_norm(hidden, t) + rms_norm(hidden, t, input_saved=True) + 2 * hidden * t.lin \
-        + head_saved(hidden, vocab, t)
+        + head_saved(hidden, vocab, t, norm_recomputed=True)
 
 
 # ----- what a deferred W keeps from B until it runs -----------------------------------------------------
@@ -239,7 +313,7 @@ def attention_w_held(a: Attention, t: Dtypes) -> float:
     """MLA: the down-projections' input, the two latents' norms (up-projections' inputs), wo's input;
     GQA: the q/k/v projections' input and o_proj's input (with FP8, one copy per projection)."""
     out = (a.heads * a.dv + (a.q_lora + a.kv_lora if a.kind == "mla" else 0)) * t.lin
-    return out + t.linear_input(a.hidden, 2 if a.kind == "mla" else 3)
+    return out + t.linear_input(a.hidden, mla_readers(a, t) if a.kind == "mla" else 3)
 
 
 def dense_ffn_w_held(hidden: int, ffn: int, t: Dtypes, up_readers: int = 1) -> float:

@@ -52,7 +52,8 @@ def copies_of_stage(schedule: Schedule) -> int:
 
 
 def _link(strategy: Strategy, system: SystemSpec, copies: int) -> tuple[float, float]:
-    span = strategy.dp * (strategy.pp if copies > 1 else 1)  # consecutive ranks one group covers
+    # consecutive ranks one group covers (tensor parallel innermost, then data parallel)
+    span = strategy.dp * strategy.tp * (strategy.pp if copies > 1 else 1)
     return system.link(span > system.gpus_per_node)
 
 
@@ -65,8 +66,8 @@ def ring_time(values: float, group: int, passes: int, value_bytes: float, link: 
 
 
 def _stage_values(strategy: Strategy, items: list[Item]) -> tuple[float, float]:
-    """(dense, expert) gradient values of one stage on one rank (experts: its 1/ep share)."""
-    return sum(i.params for i in items), sum(i.expert_params for i in items) / strategy.ep
+    """(dense, expert) gradient values of one stage on one rank (dense: its 1/tp share; experts: its 1/ep)."""
+    return sum(i.params for i in items) / strategy.tp, sum(i.expert_params for i in items) / strategy.ep
 
 
 def stage_sync_times(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], schedule: Schedule

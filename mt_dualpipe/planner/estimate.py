@@ -25,9 +25,18 @@ the same simulator as everything else in this library. Around it:
   from the step's start to its reduce-scatter (``parallel/fsdp.py``), so the step's peak holds
   them; only between steps are they sharded.
 
-Costs of a stage: F = matmul FLOPs / matmul rate + core attention / attention rate;
-B = the input-gradient matmuls (same FLOPs as F's matmuls) + 2x core attention; W = the weight-
-gradient matmuls (same FLOPs again); ``Costs.recompute`` = the forward FLOPs the recompute policy
+Costs of a stage: F = matmul FLOPs / the achieved rate of the strategy's precision (``SystemSpec.mm_rate``:
+per GPU and precision, from published kernel benchmarks; FP8 training keeps the head and the router in
+BF16, ``Item.bf16_mm_flops``) + core attention / attention rate + memory-bound bytes / HBM rate
+(``Item.hbm_bytes``: norms, residual adds, SwiGLU, MoE permutes, FP8 casts); B = the input-gradient
+matmuls (same FLOPs as F's matmuls) + 2x core attention + 2x the memory-bound bytes; W = the weight-
+gradient matmuls (same FLOPs again). With tensor parallelism (``Strategy.tp``, Megatron-style with
+sequence parallelism) all of it is divided over the group and each decoder layer adds its collectives
+(``tp_collective_time``: 4 in F, 6 in B); weights, gradients, optimizer state and saved activations are
+divided by ``tp`` (experts by ``ep``). DualPipe with an all-to-all to hide runs its compute on the SMs the
+communication leaves (``SystemSpec.overlap_share``, 112 of 132 on H800). The optimizer step
+(``optimizer_step_time``, memory-bound) follows the sync and is part of ``step_time``
+(``Estimate.optimizer_time``); ``Costs.recompute`` = the forward FLOPs the recompute policy
 re-runs (``Item.recompute_*``: selective = the recomputed pieces, full = the whole layer but the
 router), which the simulator adds once to each B/BW (W reuses what B recomputed).
 All-to-all per MoE layer: dispatch (1 byte/element with FP8,
@@ -48,7 +57,7 @@ from ..schedules.ir import Schedule
 from ..schedules.ops import OpKind, needs, parts, rule
 from ..schedules.placements import balanced_cuts
 from ..schedules.simulate import SimResult, run_schedule
-from .activations import FP8_LIN
+from .activations import FP8_LIN, active_savers
 from .dp_sync import param_gather_time, stage_sync_times
 from .model import Item, ModelSpec
 from .runnable import launch, unrunnable_reasons
@@ -78,6 +87,7 @@ class Estimate:
     costs: Costs | None = field(default=None, repr=False)  # dp_sync: each stage's gradient reduction
     dp_sync_total: float = 0.0  # the sync's time with nothing hidden (the most loaded rank's)
     tied_across_stages: bool = False  # the model ties weights across pipeline stages (MTP's embedding)
+    optimizer_time: float = 0.0  # the optimizer step (memory-bound, after the sync; part of step_time)
 
     @property
     def total_memory_gb(self) -> float:
@@ -97,10 +107,11 @@ class Estimate:
         return {"pp": s.pp, "schedule": s.schedule, "placement": s.placement or None,
                 "virtual_stages": s.virtual_stages,
                 "num_microbatches": s.num_microbatches, "micro_batch_size": s.micro_batch_size, "ep": s.ep,
-                "dp": s.dp, "tp": 1, "zero": s.zero, "dtype": s.dtype, "recompute": s.recompute,
+                "dp": s.dp, "tp": s.tp, "zero": s.zero, "dtype": s.dtype, "recompute": s.recompute,
                 "step_time_s": self.step_time, "pipeline_time_s": self.pipeline_time,
                 "dp_sync_time_s": self.dp_sync_time, "dp_sync_exposed_s": self.dp_sync_time,
-                "dp_sync_total_s": self.dp_sync_total, "bubble_rate": self.bubble_rate, "mfu": self.mfu,
+                "dp_sync_total_s": self.dp_sync_total, "optimizer_s": self.optimizer_time,
+                "bubble_rate": self.bubble_rate, "mfu": self.mfu,
                 "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "peak_activations": self.peak_activations,
                 "stage_layers": self.stage_layers, "fits": self.fits, "note": self.note,
@@ -111,10 +122,21 @@ class Estimate:
 ACT_UNIT = {"fp8": FP8_LIN, "bf16": 2.0, "fp32": 4.0}  # bytes per cached linear-input element
 
 
-def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str) -> float:
-    mm_rate = system.tflops(dtype) * 1e12 * system.mm_efficiency
+def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str, tp: int = 1) -> float:
+    """One item's forward seconds on one rank of a ``tp``-way tensor-parallel group: its matmuls at the
+    achieved rate of ``dtype``, core attention at BF16's, memory-bound kernels at the HBM's."""
     attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
-    return tokens * (item.mm_flops / mm_rate + item.attn_flops / attn_rate)
+    return tokens * (mm_seconds(item, system, dtype) + item.attn_flops / attn_rate
+                     + item.hbm_bytes / system.hbm_rate()) / tp
+
+
+def mm_seconds(item: Item, system: SystemSpec, dtype: str) -> float:
+    """Seconds per token of an item's forward matmuls: at ``dtype``'s achieved rate, except those FP8 training
+    keeps in BF16 (``Item.bf16_mm_flops``: the output head, the router)."""
+    if dtype != "fp8":
+        return item.mm_flops / system.mm_rate(dtype)
+    kept = item.bf16_mm_flops
+    return (item.mm_flops - kept) / system.mm_rate(dtype) + kept / system.mm_rate("bf16")
 
 
 def partition(weights: list[float], parts: int) -> list[int]:
@@ -140,7 +162,7 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
                                 f"{model.layer_num} layers")
         sizes = [n + (s == 0) + (s == stages - 1) for s, n in enumerate(layers)]  # + embedding, + head
     else:
-        times = [3 * item_time(i, tokens, system, strategy.dtype) + 1e-9 for i in items]
+        times = [3 * item_time(i, tokens, system, strategy.dtype, strategy.tp) + 1e-9 for i in items]
         sizes = partition(times, stages)
     out, k = [], 0
     for n in sizes:
@@ -181,25 +203,83 @@ def a2a_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: i
     return total
 
 
+TP_FORWARD_COLLECTIVES = 4
+"""Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", section 4.2.2): per decoder layer the forward
+all-gathers the sequence-sharded input before attention's and the MLP's column-parallel linears and
+reduce-scatters after their row-parallel linears: 2 all-gathers + 2 reduce-scatters."""
+TP_BACKWARD_COLLECTIVES = 6
+"""The backward swaps them (4) and all-gathers the two inputs again for the weight gradients, which
+sequence parallelism does not keep gathered (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``)."""
+
+
+def tp_collective_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: int) -> float:
+    """One all-gather or reduce-scatter of a micro-batch's hidden states over the tensor-parallel group:
+    each rank sends and receives ``(tp - 1) / tp`` of ``tokens x hidden`` BF16 values (ring), over NVLink
+    while the group fits in a node; 0 without tensor parallelism."""
+    tp = strategy.tp
+    if tp <= 1:
+        return 0.0
+    bw, lat = system.link(tp > system.gpus_per_node)
+    return tokens * model.hidden_size * 2.0 * (tp - 1) / tp / bw + lat
+
+
+def optimizer_step_time(strategy: Strategy, system: SystemSpec, stages: list[list[Item]], local: list[int]
+                        ) -> float:
+    """The optimizer step, memory-bound: each parameter the rank steps reads its FP32 gradient and reads and
+    writes its master copy and moments (``weight_bytes``' optimizer bytes, twice), then writes the model
+    weight; with ZeRO-1 / FSDP a rank steps only its shard. FP8 training re-casts every linear weight to its
+    cached E4M3 copy (read ``wb``, write 1 byte), on the whole local copy."""
+    wb, gb, ob = weight_bytes(strategy)
+    tp = strategy.tp
+    dense = sum(i.params for s in local for i in stages[s]) / tp
+    expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
+    if mode_for_zero_stage(strategy.zero).shards_optimizer_state:
+        dense, expert = dense / strategy.dp, expert / max(1, strategy.dp // strategy.ep)
+    moved = (dense + expert) * (gb + 2 * ob + wb)
+    if strategy.dtype == "fp8":
+        linears = sum(i.linear_params for s in local for i in stages[s]) / tp \
+            + sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
+        moved += linears * (wb + 1)
+    return moved / system.hbm_rate()
+
+
+def overlaps_communication(model: ModelSpec, strategy: Strategy) -> bool:
+    """DualPipe's chunks run the all-to-all beside the computation on SMs taken from it (DeepSeek-V3 report,
+    section 3.2.2), so its compute runs on ``SystemSpec.overlap_share`` of the SMs when there is an
+    all-to-all to overlap."""
+    return strategy.schedule in ("dualpipe", "dualpipev") and model.is_moe and strategy.ep > 1
+
+
 def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
                 stages: list[list[Item]]) -> Costs:
+    """F, B, W seconds of each stage on one rank: matmuls at the achieved rate of the strategy's precision,
+    core attention at BF16's, memory-bound kernels at the HBM's (the backward moves twice the forward's
+    bytes; W none: its GEMMs read what B left), all divided over the tensor-parallel group, plus its
+    collectives (``tp_collective_time``, exposed: nothing overlaps them here); DualPipe's compute slowed to
+    the SMs communication leaves it (``overlaps_communication``)."""
     tokens = strategy.seq_len * strategy.micro_batch_size
-    mm_rate = system.tflops(strategy.dtype) * 1e12 * system.mm_efficiency
-    attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
+    tp = strategy.tp
+    share = system.overlap_share() if overlaps_communication(model, strategy) else 1.0
+    attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency * tp * share
+    hbm_rate = system.hbm_rate() * tp
     a2a = a2a_time(model, strategy, system, tokens)
+    coll = tp_collective_time(model, strategy, system, tokens)
     f, b, w, af, rc = [], [], [], [], []
     for group in stages:
-        mm = sum(i.mm_flops for i in group) * tokens / mm_rate
+        mm = sum(mm_seconds(i, system, strategy.dtype) for i in group) * tokens / (tp * share)
         at = sum(i.attn_flops for i in group) * tokens / attn_rate
-        f.append(mm + at)
-        b.append(mm + 2 * at)
+        mem = sum(i.hbm_bytes for i in group) * tokens / hbm_rate
+        layers = sum(1 for i in group if i.attn_flops > 0)
+        f.append(mm + at + mem + layers * TP_FORWARD_COLLECTIVES * coll)
+        b.append(mm + 2 * at + 2 * mem + layers * TP_BACKWARD_COLLECTIVES * coll)
         w.append(mm)
         af.append(a2a * sum(1 for i in group if i.moe))
-        rc.append(sum(i.recompute_mm_flops for i in group) * tokens / mm_rate
+        rc.append(sum(i.recompute_mm_flops for i in group) * tokens / (system.mm_rate(strategy.dtype) * tp * share)
                   + sum(i.recompute_attn_flops for i in group) * tokens / attn_rate)
-    across = strategy.dp >= system.gpus_per_node  # pipeline neighbours sit in different nodes
+    across = strategy.dp * tp >= system.gpus_per_node  # pipeline neighbours sit in different nodes
     bw, lat = system.link(across)
-    hop = tokens * model.hidden_size * 2 / bw + lat
+    hop = tokens * model.hidden_size * 2 / tp / bw + lat  # sequence parallel: each rank sends its shard
     # the recomputed forward: the simulator adds it once to each B / BW and to the B half of an FB
     return Costs(f=f, b=b, w=w, comm=hop, a2a_f=af, a2a_b=list(af), recompute=rc if any(rc) else 0.0)
 
@@ -287,11 +367,12 @@ def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[i
     group) when the strategy's mode shards it (zero1, fsdp); weights and gradients are whole in every
     mode, since that is what the step's peak holds (FSDP unshards its stages for the whole step)."""
     wb, gb, ob = weight_bytes(strategy)
-    dense = sum(i.params for s in local for i in stages[s]) + extra_params
+    tp = strategy.tp  # dense weights (and the vocabulary) are split over tensor parallel, experts over ep
+    dense = (sum(i.params for s in local for i in stages[s]) + extra_params) / tp
     expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
     fp8_cache = 0.0
     if strategy.dtype == "fp8":  # the experts' and the layers' linears (not the embedding, head or router)
-        fp8_cache = sum(i.linear_params for s in local for i in stages[s]) + expert
+        fp8_cache = sum(i.linear_params for s in local for i in stages[s]) / tp + expert
     edp = max(1, strategy.dp // strategy.ep)
     sharded = mode_for_zero_stage(strategy.zero).shards_optimizer_state
     shard_dense = strategy.dp if sharded else 1
@@ -343,11 +424,16 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     res, timing = _simulate(strategy, system, stages, sched, costs)
     worst = None
     per_rank = []
-    stage_bytes = [sum(i.act_bytes for i in g) * tokens for g in stages]
-    w_bytes = [sum(i.w_act_bytes for i in g) * tokens for g in stages]
-    hidden = model.hidden_size * (4.0 if strategy.dtype == "fp32" else 2.0) * tokens  # a stage's received input
+    optimizer = 0.0
+    # sequence parallelism shards every saved activation over the tensor-parallel group (Korthikanti et al.)
+    shard = tokens / strategy.tp
+    stage_bytes = [sum(i.act_bytes for i in g) * shard for g in stages]
+    w_bytes = [sum(i.w_act_bytes for i in g) * shard for g in stages]
+    hidden = model.hidden_size * (4.0 if strategy.dtype == "fp32" else 2.0) * shard  # a stage's received input
     in_bytes = [0.0] + [hidden] * (len(stages) - 1)
-    if strategy.dtype != "fp32":  # the norm saves a float32 copy, not the input: the stage holds it besides
+    # the norm saves a float32 copy, not the input: the stage holds it besides (the "norm" saver keeps the
+    # input itself as the norm's saved tensor, already counted in act_bytes)
+    if strategy.dtype != "fp32" and "norm" not in active_savers():
         stage_bytes = [b + i for b, i in zip(stage_bytes, in_bytes)]
     for r in range(strategy.pp):
         local = sorted({s for _, s in sched.local_stages(r)})
@@ -356,17 +442,19 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
             and 0 not in local else 0.0
         acts = activation_peak_bytes(sched.ranks[r], stage_bytes, w_bytes, in_bytes)
         mem = memory_breakdown(strategy, stages, local, acts, extra)
+        optimizer = max(optimizer, optimizer_step_time(strategy, system, stages, local))
         per_rank.append(mem["total"])
         if worst is None or mem["total"] > worst[0]["total"]:
             worst = (mem, res.peak_activations[r])
     mem, peak = worst
-    step = timing.step
+    step = timing.step + optimizer
     useful = model.flops_per_token(strategy.seq_len) * tokens * strategy.num_microbatches * strategy.dp
     mfu = useful / (strategy.gpus * system.tflops(strategy.dtype) * 1e12 * step)
     fits = mem["total"] <= system.gpu_memory_gb * system.mem_factor
-    return Estimate(strategy, step, timing.pipeline, step - timing.pipeline, timing.bubble_rate, mem, peak,
+    return Estimate(strategy, step, timing.pipeline, timing.step - timing.pipeline, timing.bubble_rate, mem, peak,
                     [len(g) for g in stages], mfu, fits, per_rank_gb=per_rank, costs=timing.costs,
-                    dp_sync_total=timing.total, tied_across_stages=ties_across_stages(model, len(stages)))
+                    dp_sync_total=timing.total, tied_across_stages=ties_across_stages(model, len(stages)),
+                    optimizer_time=optimizer)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,29 @@ class Item:
     recompute_attn_flops: float = 0.0  # forward core-attention FLOPs per token re-run in B
     w_act_bytes: float = 0.0  # bytes per token a deferred W keeps from B until it runs (its linears' inputs)
     linear_params: float = 0.0  # of ``params``, those in linears FP8 training converts (each caches an FP8 copy)
+    hbm_bytes: float = 0.0   # forward bytes per token moved by memory-bound kernels (``memory_bound_bytes``)
+    bf16_mm_flops: float = 0.0  # of ``mm_flops``, those FP8 training keeps in BF16: the output head and the
+    #                             MoE router (DeepSeek-V3 report 3.3.1: "embedding module, output head, MoE
+    #                             gating modules ... retain their original precision")
+
+
+def memory_bound_bytes(h: int, linear_inputs: float, ffn: float, routed_copies: int, elem: float, fp8: bool
+                       ) -> float:
+    """Forward HBM bytes per token of one decoder layer's memory-bound kernels (priced in ``estimate`` by
+    bytes over the GPU's HBM bandwidth; the backward moves about twice as much: it reads the saved
+    tensor and the incoming gradient and writes the gradient).
+
+    - two RMSNorms (read and write ``h``) and two residual adds (read ``2h``, write ``h``): ``10 h`` elements;
+    - SwiGLU: reads gate and up, writes their product: ``3 ffn`` elements (``ffn``: the intermediate
+      widths one token passes, the routed experts' ``topk x moe_ffn`` plus the shared expert's);
+    - MoE permutes: dispatch writes ``routed_copies`` rows of ``h`` (read once), combine reads them back
+      and writes one: ``2 (copies + 1) h`` elements;
+    - FP8 training: every linear input is cast (read ``elem``, write 1 byte; the 1x128 scales are 1/128
+      more): ``linear_inputs`` elements (the widths of the distinct linear inputs).
+    """
+    elems = 10 * h + 3 * ffn + (2 * (routed_copies + 1) * h if routed_copies else 0)
+    cast = linear_inputs * (elem + 1 + 4 / 128) if fp8 else 0.0
+    return elems * elem + cast
 
 
 @dataclass
@@ -293,8 +316,13 @@ class ModelSpec:
             re_attn = 0.0 if mla and t.fused_attention else attn_core
         norms = h + (self.q_lora_rank + self.kv_lora_rank if mla else 0)  # norm weights inside attention_params
         ffn_linears = self.mlp_params(self.moe_shared_expert_intermediate_size if moe else self.intermediate_size)
+        width = (self.topk * self.moe_ffn_hidden_size + self.moe_shared_expert_intermediate_size) if moe \
+            else self.intermediate_size
+        lin_in = (h + (self.q_lora_rank + self.kv_lora_rank if mla else 0) + n * dv  # attention's linears
+                  + h * (1 + (self.topk if moe else 0)) + width)                   # the MLP's: input(s), down-proj
+        hbm = memory_bound_bytes(h, lin_in, width, self.topk if moe else 0, elem, t.fp8)
         return Item(f"layer{layer_id}", params[0], params[1], attn_mm + mm, attn_core, act, moe, re_mm, re_attn,
-                    w_held, attn_p - norms + ffn_linears)
+                    w_held, attn_p - norms + ffn_linears, hbm, router)
 
     def items(self, seq_len: int, act_unit: float = 2.0, recompute: str = "selective", elem: float = 2.0,
               micro_batch_size: int = 1, attention: str = "eager") -> list[Item]:
@@ -309,7 +337,9 @@ class ModelSpec:
         # DeepSeek's head is a deferring linear (W keeps its input); Llama's criterion applies the head's
         # weight with F.linear, whose gradient is computed in B
         head_w = head_w_held(h, t) if self.attention_type == "mla" else 0.0
-        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t), w_act_bytes=head_w)
+        # the loss: logits written in the model dtype, then read and rewritten in float32 by the softmax
+        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t), w_act_bytes=head_w,
+                    hbm_bytes=V * (elem + 2 * 4.0), bf16_mm_flops=2 * V * h)
         for d in range(self.mtp_depth):  # projection of [h; emb] and one more (MoE) block, the shared head
             block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem, micro_batch_size,
                                     attention)
@@ -320,7 +350,8 @@ class ModelSpec:
                         head.recompute_mm_flops + block.recompute_mm_flops,
                         head.recompute_attn_flops + block.recompute_attn_flops,
                         head.w_act_bytes + block.w_act_bytes + 2 * h * act_unit + head_w,  # + projection, head inputs
-                        block.linear_params + 2 * h * h)
+                        block.linear_params + 2 * h * h, head.hbm_bytes + block.hbm_bytes + V * (elem + 8.0),
+                        head.bf16_mm_flops + block.bf16_mm_flops + 2 * V * h)
         out.append(head)
         return out
 

@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from .activations import SAVERS, active_savers
 from .model import ModelSpec
 from .runnable import short_reason
 from .search import PlanResult
@@ -32,7 +33,7 @@ def plan_table(result: PlanResult, top: int = 10):
         s, m = e.strategy, e.memory_gb
         name = s.schedule_label
         style = "bold green" if ref is not None and e is ref else None
-        table.add_row(str(i + 1), str(s.pp), name, str(s.num_microbatches), str(s.ep), str(s.dp), "1",
+        table.add_row(str(i + 1), str(s.pp), name, str(s.num_microbatches), str(s.ep), str(s.dp), str(s.tp),
                       f"{e.step_time:.2f}", f"{e.pipeline_time:.2f}", f"{e.dp_sync_time:.2f}",
                       f"{e.dp_sync_total:.2f}", f"{e.bubble_rate:.1%}",
                       f"{e.mfu:.1%}", f"{m['weights']:.1f}", f"{m['gradients']:.1f}", f"{m['optimizer']:.1f}",
@@ -53,8 +54,6 @@ RECOMPUTE_SAVERS = {
     "full": "full recompute (each layer keeps its input; a MoE layer's routing, dispatch and combine still keep "
             "theirs)",
 }
-NOT_IN_RUNTIME = ("recompute of the layers' input RMSNorms", "SwiGLU output recompute (caching only its inputs)")
-"""DeepSeek-V3 memory savers the runtime does not implement: the planner does not model them either."""
 
 
 def savers_line(strategy) -> str:
@@ -64,8 +63,10 @@ def savers_line(strategy) -> str:
         parts.append("FP8-cached inputs of the FP8 linears (FP8Linear: E4M3 + 1x128 scales, the experts' inputs "
                      "after dispatch included; one copy per linear, one per SwiGLU), FP8 dispatch, the FP8 weight "
                      "copies in 'weights', BF16 Adam moments")
-    return ("memory savers modelled (all in the runtime): " + "; ".join(parts)
-            + ". Not in the runtime, so not modelled: " + ", ".join(NOT_IN_RUNTIME) + ".")
+    on = active_savers()
+    off = "off (--memory-savers all turns them on: " + ", ".join(SAVERS) + ")"
+    parts.append("DeepSeek-V3's activation savers " + (", ".join(sorted(on)) if on else off))
+    return "memory savers modelled (all in the runtime): " + "; ".join(parts) + "."
 
 
 def notes(result: PlanResult, top: int = 10) -> list[str]:

@@ -31,7 +31,11 @@ from .strategy import Strategy, schedule_options
 RUNTIME_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 """Recompute policies the runtime's stages apply (``integrations.recompute.POLICIES``; a test keeps them equal)."""
 RUNTIME_TP: tuple[int, ...] = (1,)
-"""Tensor-parallel sizes the launch path runs (the planner models tp = 1 only)."""
+"""Tensor-parallel sizes the launch path runs. The planner estimates any tp (Megatron-style, with sequence
+parallelism); the runtime's tensor-parallel stages (``parallel/tensor_parallel.py``: dense Llama blocks,
+no sequence parallelism, data-parallel modes whose ``tensor_parallel`` flag is set) are not reached by
+the launch path the plan prints (the DeepSeek-V3 demo), so a tp > 1 layout is estimated and marked, not
+offered."""
 
 
 ZERO_STAGES: tuple[int, ...] = tuple(sorted({m.zero_stage for m in DP_MODES.values()}))
@@ -58,7 +62,7 @@ def dp_mode(strategy: Strategy) -> str:
 def launch(strategy: Strategy) -> dict:
     """The launchable tuple ``(pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute)`` in the
     runtime's terms, plus the schedule's build options and the micro-batch size."""
-    return {"pp": strategy.pp, "dp": strategy.dp // strategy.ep, "ep": strategy.ep, "tp": 1,
+    return {"pp": strategy.pp, "dp": strategy.dp // strategy.ep, "ep": strategy.ep, "tp": strategy.tp,
             "schedule": strategy.schedule, "microbatches": strategy.num_microbatches,
             "dp_mode": dp_mode(strategy), "recompute": strategy.recompute,
             "schedule_options": schedule_options(strategy), "micro_batch_size": strategy.micro_batch_size}
@@ -93,9 +97,12 @@ def unrunnable_reasons(strategy: Strategy, tied: bool = False) -> list[str]:
     if strategy.recompute not in RUNTIME_RECOMPUTE:
         out.append(f"recompute {strategy.recompute!r} is not applied by the runtime's stages (runnable: "
                    f"{', '.join(RUNTIME_RECOMPUTE)})")
-    tp = getattr(strategy, "tp", 1)  # the planner models tp = 1; a strategy that carries a tp is checked
+    tp = strategy.tp
     if tp not in RUNTIME_TP:
         out.append(f"tp {tp} is not launched by the runtime (runnable: {', '.join(map(str, RUNTIME_TP))})")
+    elif tp > 1 and strategy.zero in ZERO_STAGES and not mode_for_zero_stage(strategy.zero).tensor_parallel:
+        out.append(f"dp_mode {dp_mode(strategy)!r} (zero {strategy.zero}) does not reduce tensor-parallel shards "
+                   f"(parallel.modes.DP_MODES: tensor_parallel); tp {tp} runs with zero 0")
     elif tp > 1 and getattr(strategy, "ep", 1) > 1:
         out.append(f"tp {tp} with expert parallelism is not launched: tensor-parallel stages are dense only (MoE "
                    "stages shard experts over ep, not tp)")

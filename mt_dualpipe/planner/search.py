@@ -3,10 +3,11 @@
 Enumerates pipeline size (divisors of the GPU count), schedule (every registered hand schedule
 that accepts the sizes; interleaved-1f1b with 2 virtual stages), micro-batch size and count
 (global batch / data parallel / micro-batch size), expert-parallel size (divisors of the data-
-parallel size that divide the experts) and data parallel (the rest). Tensor parallelism is not
-modelled (tp = 1: DeepSeek-V3's own choice, and what DualPipe's compute/communication overlap
-is designed for). Each candidate is estimated by ``estimate`` (compute/communication model and
-this library's simulator); the ones that fit in memory are ranked by step time.
+parallel size that divide the experts), tensor-parallel size (``tp``: 1 unless asked, DeepSeek-V3's
+own choice and what DualPipe's compute/communication overlap is designed for; Megatron-style with
+sequence parallelism, costed in ``estimate``) and data parallel (the rest). Each candidate is
+estimated by ``estimate`` (compute/communication model and this library's simulator); the ones
+that fit in memory are ranked by step time.
 """
 
 from __future__ import annotations
@@ -65,34 +66,43 @@ def _divisors(n: int) -> list[int]:
 def candidates(model: ModelSpec, gpus: int, global_batch: int, *, pp: list[int] | None = None,
                ep: list[int] | None = None, schedules: tuple[str, ...] = DEFAULT_SCHEDULES,
                micro_batch_sizes: tuple[int, ...] = (1,), seq_len: int = 4096, dtype: str = "bf16",
-               zero: int = 1, recompute: str = "selective", max_pp: int = 32) -> tuple[list[Strategy], int]:
-    """Every strategy the divisibility rules allow, and how many combinations they ruled out."""
+               zero: int = 1, recompute: str = "selective", max_pp: int = 32, tp: list[int] | None = None
+               ) -> tuple[list[Strategy], int]:
+    """Every strategy the divisibility rules allow, and how many combinations they ruled out.
+    ``tp``: the tensor-parallel sizes to try (default 1 only); ``dp`` is what pp x tp leaves."""
     for name in schedules:
         if name != AUTO:
             schedule_info(name)  # an unknown name fails here, with the list of known ones
     out: list[Strategy] = []
     skipped = 0
     pps = pp or [d for d in _divisors(gpus) if d <= max_pp]
-    for p in pps:
-        if gpus % p:
-            raise ScheduleError(f"pipeline size {p} does not divide {gpus} GPUs")
-        dp = gpus // p
-        if not model.is_moe:
-            eps = [1]  # no experts: expert parallelism does not apply
-        else:
-            eps = ep or [e for e in _divisors(dp) if model.expert_num % e == 0]
-        for e in eps:
-            if dp % e or (model.is_moe and model.expert_num % e):
+    for t in tp or [1]:
+        if t < 1 or gpus % t:
+            raise ScheduleError(f"tensor-parallel size {t} does not divide {gpus} GPUs")
+        for p in pps:
+            if gpus % p:
+                raise ScheduleError(f"pipeline size {p} does not divide {gpus} GPUs")
+            if gpus % (p * t):
                 skipped += 1
                 continue
-            for mbs in micro_batch_sizes:
-                if global_batch % (dp * mbs):
+            dp = gpus // (p * t)
+            if not model.is_moe:
+                eps = [1]  # no experts: expert parallelism does not apply
+            else:
+                eps = ep or [e for e in _divisors(dp) if model.expert_num % e == 0]
+            for e in eps:
+                if dp % e or (model.is_moe and model.expert_num % e):
                     skipped += 1
                     continue
-                M = global_batch // (dp * mbs)
-                for sched in (schedules if p > 1 else ("1f1b",)):
-                    v = VIRTUAL_STAGES if sched != AUTO and "virtual_stages" in schedule_info(sched).options else 1
-                    out.append(Strategy(p, sched, M, e, dp, mbs, seq_len, zero, dtype, recompute, v))
+                for mbs in micro_batch_sizes:
+                    if global_batch % (dp * mbs):
+                        skipped += 1
+                        continue
+                    M = global_batch // (dp * mbs)
+                    for sched in (schedules if p > 1 else ("1f1b",)):
+                        v = VIRTUAL_STAGES if sched != AUTO and "virtual_stages" in schedule_info(sched).options \
+                            else 1
+                        out.append(Strategy(p, sched, M, e, dp, mbs, seq_len, zero, dtype, recompute, v, tp=t))
     return out, skipped
 
 
@@ -168,22 +178,22 @@ def _published(training: dict, gpus: int, global_batch: int, options: dict) -> S
     """The model's published configuration (its ``training`` block) when it was for ``gpus`` GPUs."""
     if training.get("gpus") != gpus or not training.get("pp_size"):
         return None
-    p = int(training["pp_size"])
-    dp = gpus // p
+    p, t = int(training["pp_size"]), int(training.get("tp_size", 1))
+    dp = gpus // (p * t)
     mbs = int(training.get("micro_batch_size", 1))
     if global_batch % (dp * mbs):
         return None
     return Strategy(p, training.get("schedule", "1f1b"), global_batch // (dp * mbs),
                     int(training.get("ep_size", 1)), dp, mbs, options["seq_len"],
                     zero_from_config(training.get("zero_state", 1)), options["dtype"],
-                    options.get("recompute", "selective"))
+                    options.get("recompute", "selective"), tp=t)
 
 
 def _place_reference(result: PlanResult, ref: Strategy) -> None:
     def same(e: Estimate) -> bool:
         s = e.strategy
-        return (s.pp, s.schedule, s.num_microbatches, s.ep, s.dp, s.micro_batch_size) == \
-            (ref.pp, ref.schedule, ref.num_microbatches, ref.ep, ref.dp, ref.micro_batch_size)
+        return (s.pp, s.schedule, s.num_microbatches, s.ep, s.dp, s.micro_batch_size, s.tp) == \
+            (ref.pp, ref.schedule, ref.num_microbatches, ref.ep, ref.dp, ref.micro_batch_size, ref.tp)
 
     for i, e in enumerate(result.ranked):
         if same(e):

@@ -32,10 +32,12 @@ class Strategy:
     placement: str = ""            # for schedule "auto": linear, v or dual
     attention: str = "fused"       # core attention saving: "fused" (flash-style, production GPUs) or "eager"
     #                                (the integrations' einsum core, S x S probabilities saved)
+    tp: int = 1                    # tensor-parallel size (Megatron-style with sequence parallelism); ``dp``
+    #                                counts data-parallel replicas of one tensor-parallel group
 
     @property
     def gpus(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
     @property
     def schedule_label(self) -> str:
@@ -45,7 +47,7 @@ class Strategy:
 
     def describe(self) -> str:
         return (f"pp={self.pp} {self.schedule_label} M={self.num_microbatches} ep={self.ep} dp={self.dp} "
-                f"mbs={self.micro_batch_size}")
+                f"mbs={self.micro_batch_size}" + (f" tp={self.tp}" if self.tp > 1 else ""))
 
 
 def schedule_options(strategy: Strategy) -> dict:

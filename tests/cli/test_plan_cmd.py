@@ -34,10 +34,16 @@ def test_cli_plan_strategy_json(tmp_path, capsys):
                "--gpu-memory", "256GB"])
     assert rc == 0
     assert "ranks" in capsys.readouterr().out
-    strat.write_text(json.dumps({"tp_size": 8}))
-    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat)])
-    assert rc == 2
-    assert "tensor parallelism is not modelled" in capsys.readouterr().err
+    # tensor parallelism is estimated (issue 31) and marked: the runtime's launch path runs tp 1 only
+    strat.write_text(json.dumps({"tp_size": 8, "pp_size": 16, "ep_size": 8, "dtype": "fp8"}))
+    out_json = tmp_path / "tp.json"
+    rc = main(["plan", "--model", "deepseek-v3", "--gpus", "2048", "--strategy", str(strat), "--top", "2",
+               "--gpu-memory", "256GB", "--schedules", "1f1b", "--json", str(out_json)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    first = data["configurations"][0]
+    assert first["tp"] == 8 and first["launch"]["tp"] == 8 and first["pp"] * first["dp"] * first["tp"] == 2048
+    assert not first["runnable"] and any(r.startswith("tp 8") for r in first["unrunnable"])
 
 
 def test_cli_plan_bad_memory(capsys):

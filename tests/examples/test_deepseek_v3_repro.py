@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS
 from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer
 from tests.helpers.text import train_tokenizer, write_corpus
 
@@ -92,6 +93,16 @@ def test_example_writes_summary_timeline_and_fp8_line(first_run):
     assert parts == pytest.approx(bub["measured"])
     assert f"bubble: {bub['explanation']}" in out
     assert data["data"] == "synthetic" and data["val_loss"] == [None, None]
+
+
+def test_compiled_blocks_train_like_eager(first_run, tmp_path):
+    """``--compile``: each block's memory-bound parts compiled (aot_eager: inductor's graphs, compiled fast), the
+    linears kept eager for W; the first steps' losses are the eager run's up to float rounding."""
+    eager = first_run[0]
+    data, _ = run_example("--steps", "2", "--fp8", "--compile", "aot_eager", summary=tmp_path / "c.json")
+    assert data["compile"] == "aot_eager" and eager["compile"] is None
+    assert data["loss"] == pytest.approx(eager["loss"][:2], rel=1e-5)
+    assert data["mtp_loss"] == pytest.approx(eager["mtp_loss"][:2], rel=1e-5)
 
 
 def test_rerun_with_checkpoint_dir_resumes(resumed):
@@ -212,3 +223,19 @@ def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         _example_module().parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_memory_savers_lower_the_recorded_peak_as_the_planner_says(tmp_path):
+    """--memory-savers all: the same losses (the savers change what backward keeps, not the math, up to
+    float rounding), a lower recorded activation peak, and the planner's peak for the run within 10 %."""
+    peaks = {}
+    for savers in ("none", "all"):
+        data, out = run_example("--steps", "2", "--memory-savers", savers, summary=tmp_path / f"{savers}.json")
+        recorded, planned = data["activation_peak_bytes_per_rank"], data["planned_activation_peak_bytes_per_pp_rank"]
+        assert len(planned) == data["pp"] and "planner's peak per rank" in out
+        for got, want in zip(recorded, planned):
+            assert want == pytest.approx(got, rel=0.10), (savers, recorded, planned)
+        peaks[savers] = (max(recorded), data["loss"])
+    assert data["memory_savers"] == sorted(MEMORY_SAVERS)
+    assert peaks["all"][0] < 0.8 * peaks["none"][0]
+    assert peaks["all"][1] == pytest.approx(peaks["none"][1], rel=1e-5)

@@ -39,8 +39,8 @@ def make_batch(config, batch, seq, seed):
 
 
 # ----- expert parallelism ------------------------------------------------------------------------------------
-def _ep_worker(rank, world):
-    config = small_config(balance_loss_weight=0.0)
+def _ep_worker(rank, world, savers=""):
+    config = small_config(balance_loss_weight=0.0, memory_savers=savers)
     torch.manual_seed(0)
     full = DeepSeekV3Model(config).layers["1"].ffn
     shard = MoE(config, ep_group=dist.group.WORLD)
@@ -57,6 +57,8 @@ def _ep_worker(rank, world):
     y = shard(x_loc)
     y.backward(dy[rows])
     torch.testing.assert_close(y, y_ref[rows], rtol=0, atol=0)  # combine == ep=1, bit for bit
+    if savers:  # the combine saver's gate weights travelled with the rows (and their gradient back)
+        assert shard.weight_before_down and shard.experts[str(shard.first_expert)].recompute_swiglu
     torch.testing.assert_close(x_loc.grad, x_ref.grad[rows], rtol=1e-6, atol=1e-7)
     for name, p in shard.named_parameters():
         if name.startswith("experts."):  # each expert lives on one rank and saw every rank's tokens
@@ -75,9 +77,9 @@ def test_expert_parallel_dispatch_combine_equals_ep1(two_ranks):
     assert two_ranks("ep") == [8, 8]
 
 
-def _ep_overlap_worker(rank, world):
+def _ep_overlap_worker(rank, world, savers=""):
     """With ep=2 the overlapped F&B posts real non-blocking all-to-alls; still bit-identical."""
-    config = small_config(n_layers=2)
+    config = small_config(n_layers=2, memory_savers=savers)
     torch.manual_seed(0)
     model = DeepSeekV3Model(config)
     x0, _ = make_batch(config, 2, 16, seed=10 + rank)
@@ -90,11 +92,11 @@ def test_overlapped_forward_backward_with_expert_parallel_all_to_all(two_ranks):
 
 
 # ----- pipelines equal the single-process model ------------------------------------------------------------------
-def _pipeline_worker(rank, world, schedule, num_mb, layout):
+def _pipeline_worker(rank, world, schedule, num_mb, layout, savers=""):
     from mt_dualpipe import DualPipe, DualPipeV
     from mt_dualpipe.schedules.registry import build_schedule
 
-    config = small_config()
+    config = small_config(memory_savers=savers)
     torch.manual_seed(0)
     model = DeepSeekV3Model(config)
     data = [make_batch(config, 1, 16, seed=100 + m) for m in range(num_mb)]
@@ -157,14 +159,14 @@ def test_dualpipev_matches_single_process(two_ranks):
     assert all(c > 20 for c, _ in two_ranks("dualpipev"))
 
 
-def _zero_bubble_worker(rank, world, schedule, num_mb):
+def _zero_bubble_worker(rank, world, schedule, num_mb, savers=""):
     """Zero-bubble schedules split B and W for real: the stages' DeferredLinears queue their GEMMs for W."""
     from mt_dualpipe import Pipeline
     from mt_dualpipe.runtime import DeferredLinear
     from mt_dualpipe.runtime.stage import supports_fast_split
     from mt_dualpipe.schedules.registry import build_schedule
 
-    config = small_config()
+    config = small_config(memory_savers=savers)
     torch.manual_seed(0)
     model = DeepSeekV3Model(config)
     data = [make_batch(config, 1, 16, seed=300 + m) for m in range(num_mb)]
@@ -203,6 +205,17 @@ def test_zero_bubble_runs_deferred_weight_gradients_at_w(two_ranks):
         assert linears > 10 and calls >= 4 * 4 and closures == calls, (closures, calls, linears)
 
 
+def test_memory_savers_keep_every_parallel_path_equal_to_single_process(two_ranks):
+    """All of DeepSeek's memory savers on: expert parallelism (the gate weights and their gradients cross the
+    all-to-all), the overlapped F&B over real all-to-alls, DualPipe and the zero-bubble B/W split."""
+    assert two_ranks("ep_savers") == [8, 8]
+    assert two_ranks("ep_overlap_savers") == [True, True]
+    res = two_ranks("dualpipe_savers")
+    assert all(c > 20 for c, _ in res) and sum(fb for _, fb in res) > 0
+    for closures, calls, linears in two_ranks("zb-h1_savers"):
+        assert linears > 10 and calls >= 4 * 4 and closures == calls, (closures, calls, linears)
+
+
 # ----- the 2-rank checks share one set of processes (spawning is most of their cost) --------------------------
 _TWO_RANK_PARTS = {
     "ep": (_ep_worker, ()),
@@ -210,6 +223,10 @@ _TWO_RANK_PARTS = {
     "dualpipe": (_pipeline_worker, ("dualpipe", 4, [2, 2])),
     "dualpipev": (_pipeline_worker, ("dualpipev", 4, [1, 1, 1, 1])),
     "zb-h1": (_zero_bubble_worker, ("zb-h1", 4)),
+    "ep_savers": (_ep_worker, ("all",)),
+    "ep_overlap_savers": (_ep_overlap_worker, ("all",)),
+    "dualpipe_savers": (_pipeline_worker, ("dualpipe", 4, [2, 2], "all")),
+    "zb-h1_savers": (_zero_bubble_worker, ("zb-h1", 4, "all")),
 }
 
 

@@ -89,7 +89,7 @@ def test_estimate_uses_the_simulator(v3):
     assert est.pipeline_time == pytest.approx(res.makespan)
     assert est.bubble_rate == pytest.approx(res.bubble_rate)
     assert est.peak_activations == 17  # DualPipe: P + 1
-    assert est.step_time == pytest.approx(est.pipeline_time + est.dp_sync_time)
+    assert est.step_time == pytest.approx(est.pipeline_time + est.dp_sync_time + est.optimizer_time)
     mem = est.memory_gb
     assert mem["total"] == pytest.approx(mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"],
                                          abs=0.05)
@@ -129,10 +129,15 @@ def test_deepseek_v3_on_2048_h800(v3):
     assert result.reference is not None
     ref = result.reference.strategy
     assert (ref.pp, ref.schedule, ref.ep, ref.dp, ref.num_microbatches) == (16, "dualpipe", 64, 128, 120)
-    # with selective recompute keeping MLA's latents (not q, k, v) ep 16 and 32 fit too: each of the three ep
-    # sizes ahead of or at the published 64 has a pp-8 DualPipeV twin within 0.1 %
-    assert result.reference_rank is not None and result.reference_rank <= 6
-    assert result.ranked[0].strategy.schedule in ("dualpipe", "dualpipev")
+    # at 192 GB in-node expert parallelism (ep 8, 16) fits: its all-to-all stays on NVLink, so a zero-bubble
+    # schedule leaves it exposed at little cost, while DualPipe's overlap takes 20 of 132 SMs from the compute
+    # (estimate.overlaps_communication); the published layout stays within 12 % of the best and leads the
+    # cross-node (ep >= 32) layouts, each of which has a pp-8 DualPipeV twin within 1 %
+    assert result.reference_rank is not None
+    assert result.reference.step_time <= 1.12 * result.ranked[0].step_time
+    cross_node = [e for e in result.ranked if e.strategy.ep >= 32]
+    assert cross_node[0].strategy.schedule in ("dualpipe", "dualpipev")
+    assert result.reference.step_time <= 1.01 * cross_node[0].step_time
     assert "ranks #" in result.verdict or "ranks first" in result.verdict
 
 

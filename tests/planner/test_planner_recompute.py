@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate
-from mt_dualpipe.planner.estimate import stage_costs, stage_items
+from mt_dualpipe.planner.estimate import mm_seconds, overlaps_communication, stage_costs, stage_items
 from mt_dualpipe.schedules import build_schedule
 from mt_dualpipe.schedules.errors import ScheduleError
 from mt_dualpipe.schedules.simulate import run_schedule
@@ -76,9 +76,12 @@ def _costs(model, strategy):
     return stage_costs(model, strategy, H100, stage_items(model, strategy, H100))
 
 
-def _rates(strategy):
-    mm = H100.tflops(strategy.dtype) * 1e12 * H100.mm_efficiency
-    attn = H100.tflops_bf16 * 1e12 * H100.attn_efficiency
+def _rates(strategy, model):
+    """(matmul, attention) FLOP/s of the strategy's compute: DualPipe with an all-to-all to overlap runs on
+    the SMs its communication leaves (``estimate.overlaps_communication``)."""
+    share = H100.overlap_share() if overlaps_communication(model, strategy) else 1.0
+    mm = H100.mm_rate(strategy.dtype) * share
+    attn = H100.tflops_bf16 * 1e12 * H100.attn_efficiency * share
     return mm, attn
 
 
@@ -91,16 +94,19 @@ def test_recompute_none_keeps_the_time_model_and_others_charge_costs_recompute(m
     else:
         model = ModelSpec.load("deepseek-v3")
         st = Strategy(8, "dualpipev", 16, ep=8, dp=8, dtype="fp8")
-    mm_rate, attn_rate = _rates(st)
+    mm_rate, attn_rate = _rates(st, model)
     tokens = st.seq_len * st.micro_batch_size
     none = _costs(model, replace(st, recompute="none"))
     stages = stage_items(model, replace(st, recompute="none"), H100)
     # recompute none: F, B, W straight from the FLOPs, nothing recomputed (the figures of before recompute)
     assert none.recompute == 0.0
+    share = mm_rate / H100.mm_rate(st.dtype)
     for s, group in enumerate(stages):
-        mm = sum(i.mm_flops for i in group) * tokens / mm_rate
+        mm = sum(mm_seconds(i, H100, st.dtype) for i in group) * tokens / share  # the head stays BF16 with FP8
         at = sum(i.attn_flops for i in group) * tokens / attn_rate
-        assert (none.f[s], none.b[s], none.w[s]) == (mm + at, mm + 2 * at, mm)
+        mem = sum(i.hbm_bytes for i in group) * tokens / H100.hbm_rate()  # memory-bound, twice in B
+        assert (none.f[s], none.b[s], none.w[s]) == pytest.approx((mm + at + mem, mm + 2 * at + 2 * mem, mm),
+                                                                   rel=1e-12)
     for policy in ("selective", "full"):
         costs = _costs(model, replace(st, recompute=policy))
         assert (costs.f, costs.b, costs.w) == (none.f, none.b, none.w)  # the recompute is not folded into B

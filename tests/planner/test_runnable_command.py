@@ -64,7 +64,7 @@ def test_tensor_parallel_moe_stays_unrunnable_when_dense_tp_runs(monkeypatch):
         tp: int
         ep: int
         recompute: str = "none"
-        zero: int = 1
+        zero: int = 0  # allreduce: the runtime's mode that reduces tensor-parallel shards (DP_MODES)
 
     monkeypatch.setattr(runnable_module, "RUNTIME_TP", (1, 2))  # dense tensor-parallel stages run
     assert unrunnable_reasons(WithTp(2, 1)) == []

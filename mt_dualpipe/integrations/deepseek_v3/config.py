@@ -18,6 +18,26 @@ from .hf_config import config_kwargs_from_hf, config_to_hf, read_config_json
 from .yarn import YarnScaling
 
 SCORING_FUNCS = ("sigmoid", "softmax")
+MEMORY_SAVERS = ("norm", "swiglu", "combine", "router", "attention", "loss", "mla_input")
+"""The activation-memory savers of the DeepSeek-V3 report (§3.2.3, §3.3.2) the modules implement, each a
+switch (``DeepSeekV3Config.memory_savers``; ``"all"`` names every one). What each keeps for backward
+is counted with the same rule by the planner (``planner/activations.py``):
+
+- ``norm``: every block/MLA/MTP RMSNorm keeps only its input and is recomputed in B (``mla.RMSNorm``);
+- ``swiglu``: each SwiGLU (dense FFN, routed and shared experts) keeps only its two inputs, in E4M3
+  with 1×128 scales when its linears are FP8, and recomputes silu(gate)·up in B (``moe.SwiGLU``);
+- ``combine``: the gate weight multiplies the SwiGLU output before the down-projection, so the combine
+  is a plain sum that keeps no expert outputs (exact gradients: the weight's comes from the product
+  the SwiGLU rebuilds);
+- ``router``: the router's affinities are computed in float32 from its input as given, which is kept in
+  the model dtype (no float32 copies of the input or the router weight);
+- ``attention``: the core attention keeps q, k and v only and re-runs itself in B (a flash-style
+  kernel's footprint; the forward is the eager one, so logits are unchanged);
+- ``loss`` (not in the report's list, the largest single item of the last stage): the main and MTP
+  cross-entropies keep the model-dtype logits and rebuild the float32 log-softmax in B, instead of
+  keeping the float32 log-probabilities (vocab × 4 bytes per token and head);
+- ``mla_input``: with FP8 linears, MLA's two down-projections (``wq_a``, ``wkv_a``) share one E4M3 copy
+  of their input, as the SwiGLU's up-projections already do (each FP8 linear otherwise keeps its own)."""
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 
 _YARN_671B = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
@@ -43,6 +63,23 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def parse_memory_savers(value: str | Any) -> frozenset[str]:
+    """A set of ``MEMORY_SAVERS`` names from a comma-separated string or an iterable; ``"all"`` is every
+    saver, ``"none"`` or empty none. An unknown name raises ``ValueError`` naming the known ones."""
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value)
+    out: set[str] = set()
+    for name in names:
+        if name in ("", "none"):
+            continue
+        if name == "all":
+            out.update(MEMORY_SAVERS)
+        elif name in MEMORY_SAVERS:
+            out.add(name)
+        else:
+            raise ValueError(f"unknown memory saver {name!r}; choose from {', '.join(MEMORY_SAVERS)} or 'all'")
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class DeepSeekV3Config:
     """Sizes of DeepSeek-V3 (defaults: the 671B model) plus the training-objective weights.
@@ -63,6 +100,8 @@ class DeepSeekV3Config:
     ``ceil(cf·T·K/N)`` per expert in ``capacity_priority`` order (0: no dropping, V3's default).
     ``fp8_dispatch``: the dispatch all-to-all carries E4M3 rows with 1×128 tile scales (the combine and
     every gradient stay in the model's dtype), as DeepSeek-V3 does to halve the dispatch bytes.
+    ``memory_savers``: the report's activation savers that are on (``MEMORY_SAVERS``; a string such as
+    ``"all"`` or ``"norm,swiglu"`` is accepted); off by default, so the modules save what eager autograd does.
     """
 
     vocab_size: int = 129280
@@ -102,9 +141,11 @@ class DeepSeekV3Config:
     capacity_factor: float = 0.0
     capacity_priority: str = "position"
     fp8_dispatch: bool = False
+    memory_savers: frozenset[str] = frozenset()
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_savers", parse_memory_savers(self.memory_savers))
         positive = ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
                     "n_activated_experts", "n_expert_groups", "n_limited_groups", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len")
@@ -146,6 +187,10 @@ class DeepSeekV3Config:
                 per_device < math.ceil(self.n_activated_experts / self.device_limit):
             raise ValueError(f"device_limit {self.device_limit} x {per_device} experts per device cannot hold "
                              f"n_activated_experts ({self.n_activated_experts})")
+
+    def saves(self, name: str) -> bool:
+        """Whether the memory saver ``name`` (``MEMORY_SAVERS``) is on."""
+        return name in self.memory_savers
 
     def with_balance(self, name: str) -> DeepSeekV3Config:
         """This config with the expert-balancing strategy ``name`` (``balancing.STRATEGIES``)."""
@@ -224,4 +269,7 @@ class DeepSeekV3Config:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain data (JSON-ready: the memory savers as a sorted list)."""
+        out = asdict(self)
+        out["memory_savers"] = sorted(self.memory_savers)
+        return out

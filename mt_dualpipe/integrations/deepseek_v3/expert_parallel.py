@@ -77,6 +77,8 @@ class DispatchPlan:
     regroup: torch.Tensor | None  # received (rank-major) -> expert-major row order; None when ep = 1
     ungroup: torch.Tensor | None
     placed: torch.Tensor | None = None  # with dropping: flat (token*k + j) position of each sorted row
+    pair_of: torch.Tensor | None = None  # flat (token*k + j) position of each sorted row (``placed`` when dropping)
+    row_weights: Any = None  # ``moe.RowWeights``: the received rows' gate weights ("combine" memory saver)
 
 
 def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None,
@@ -98,7 +100,8 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
     token_of = order // indices.size(1)
     size = ep_size(group)
     if size == 1:
-        return DispatchPlan(token_of, unsort, [order.numel()], [order.numel()], counts.tolist(), None, None, placed)
+        return DispatchPlan(token_of, unsort, [order.numel()], [order.numel()], counts.tolist(), None, None, placed,
+                            order)
     local = n_experts // size
     recv_counts = torch.empty_like(counts)
     work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)  # [src rank, local expert]
@@ -110,7 +113,7 @@ def plan_dispatch(indices: torch.Tensor, n_experts: int, group: dist.ProcessGrou
               for e in range(local) for s in range(size)]
     regroup = torch.cat(pieces) if pieces else indices.new_zeros(0)
     return DispatchPlan(token_of, unsort, counts.view(size, local).sum(1).tolist(),
-                        recv_splits, per_src.sum(0).tolist(), regroup, torch.argsort(regroup), placed)
+                        recv_splits, per_src.sum(0).tolist(), regroup, torch.argsort(regroup), placed, order)
 
 
 def _error(group: dist.ProcessGroup, what: str, exc: BaseException | None, timeout: float) -> PipelineCommError:

@@ -18,20 +18,90 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.linear import FP8Linear
+from ..fp8.quantize import quantize_tiles
 from .config import DeepSeekV3Config
 from .yarn import YarnScaling
 
 
+class _RecomputedRMSNorm(torch.autograd.Function):
+    """``F.rms_norm`` that keeps only its input (and the weight, a parameter) and re-runs the norm in B.
+
+    Eager autograd keeps the float32 upcast, the normalised input and the reciprocal RMS (three copies
+    for a bf16 input); this keeps the input, which the residual stream holds anyway. The backward
+    differentiates the same ``F.rms_norm`` call, so its gradients are bit-equal to eager's. It owns no
+    parameters of its own: the norm's weight gradient is computed in B, as the runtime expects of a
+    ``cheap_weight_grad`` module."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return F.rms_norm(x, (x.size(-1),), weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(need_x), weight.detach().requires_grad_(need_w)
+            y = F.rms_norm(xd, (x.size(-1),), wd, ctx.eps)
+        wanted = [t for t, need in ((xd, need_x), (wd, need_w)) if need]
+        got = iter(torch.autograd.grad(y, wanted, grad) if wanted else ())
+        return (next(got) if need_x else None), (next(got) if need_w else None), None
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm; ``recompute`` (the ``"norm"`` memory saver) keeps only its input for B."""
+
     cheap_weight_grad = True  # its weight gradient is a cheap reduction: the runtime computes it during B
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, recompute: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.recompute = recompute
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            out = _RecomputedRMSNorm.apply(x, self.weight, self.eps)
+            # how to rebuild this output from what the norm keeps: the router re-derives its input from it
+            # in B instead of keeping the output too (``moe._RouterLogits``)
+            out.rms_norm_source = (x, self.weight, self.eps)
+            return out
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def eager_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention (einsum, softmax in ``compute_dtype``, einsum) -> (batch, seq, heads * dv)."""
+    seq = q.size(1)
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
+    return torch.einsum("bhst,bthd->bshd", probs, v).flatten(2)
+
+
+class _RecomputedCore(torch.autograd.Function):
+    """The core attention keeping only q, k and v (the ``"attention"`` saver): the S×S probabilities and
+    the mask are rebuilt in B. The forward and the backward are eager's own ops, so logits and
+    gradients are bit-equal to the eager core; v is kept contiguous, so the k_nope|v buffer it was
+    sliced from is not held."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v.contiguous())
+        ctx.scale = scale
+        return eager_core(q, k, v, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
+            out = eager_core(*leaves, ctx.scale)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(got) if t.requires_grad else None for t in leaves), None)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -102,12 +172,14 @@ class MLA(nn.Module):
         self.yarn, self.interleave = c.rope_scaling, c.rope_interleave
         if c.q_lora_rank:
             self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps, c.saves("norm"))
             self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.qk_head_dim, bias=False)
         else:
             self.wq = nn.Linear(c.dim, c.n_heads * c.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps, c.saves("norm"))
+        self.recompute_core = c.saves("attention")
+        self.share_fp8_input = c.saves("mla_input")
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
         self.softmax_scale = c.softmax_scale
@@ -118,7 +190,12 @@ class MLA(nn.Module):
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (normed) -> the down projections' outputs: the query latent (``wq_a``'s output; x itself
         without ``q_lora_rank``) and ``wkv_a``'s output (the kv latent and the shared rotary key, one
-        buffer). They are what the ``"selective"`` recompute policy keeps of the projections."""
+        buffer). They are what the ``"selective"`` recompute policy keeps of the projections. With FP8
+        linears and the ``"mla_input"`` saver x is quantised once for both (one E4M3 copy kept for dW)."""
+        if self.share_fp8_input and hasattr(self, "wq_a") and isinstance(self.wq_a, FP8Linear) \
+                and isinstance(self.wkv_a, FP8Linear) and x.numel():
+            xq = quantize_tiles(x.detach().reshape(-1, x.shape[-1]))
+            return self.wq_a(x, xq), self.wkv_a(x, xq)
         return (self.wq_a(x) if hasattr(self, "wq_a") else x), self.wkv_a(x)
 
     def attend(self, q_latent: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -149,8 +226,6 @@ class MLA(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection."""
-        seq = q.size(1)
-        scores = torch.einsum("bshd,bthd->bhst", q, k) * self.softmax_scale
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
-        return torch.einsum("bhst,bthd->bshd", probs, v).flatten(2)
+        if self.recompute_core and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _RecomputedCore.apply(q, k, v, self.softmax_scale)
+        return eager_core(q, k, v, self.softmax_scale)

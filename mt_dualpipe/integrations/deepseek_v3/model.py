@@ -30,10 +30,12 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        norm = config.saves("norm")
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.attn = MLA(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else MLP(config.dim, config.inter_dim)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else \
+            MLP(config.dim, config.inter_dim, config.saves("swiglu"))
 
     @property
     def is_moe(self) -> bool:
@@ -75,14 +77,41 @@ class MTPModule(nn.Module):
 
     def __init__(self, depth: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.hnorm = RMSNorm(config.dim, config.norm_eps)
-        self.enorm = RMSNorm(config.dim, config.norm_eps)
+        norm = config.saves("norm")
+        self.hnorm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.enorm = RMSNorm(config.dim, config.norm_eps, norm)
         self.proj = nn.Linear(2 * config.dim, config.dim, bias=False)
         self.block = Block(config.n_layers + depth - 1, config, ep_group)
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, norm)
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits.float(), target)`` keeping the logits as given (the ``"loss"`` saver): eager
+    autograd keeps the float32 log-softmax (vocab × 4 bytes per token); B rebuilds it from the logits
+    and differentiates the same ops, so the gradient is bit-equal."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(logits, target)
+        return F.cross_entropy(logits.float(), target)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, target = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            loss = F.cross_entropy(leaf.float(), target)
+        return torch.autograd.grad(loss, leaf, grad)[0], None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False) -> torch.Tensor:
+    """Mean next-token loss in float32; ``keep_logits``: through ``_CrossEntropy`` (the ``"loss"`` saver)."""
+    if keep_logits and torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target)
+    return F.cross_entropy(logits.float(), target)
 
 
 class LossParts(NamedTuple):
@@ -102,15 +131,16 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     seq = labels.size(1)
     if len(mtp) >= seq:
         raise ValueError(f"sequence length {seq} must exceed the MTP depth {len(mtp)}")
+    keep = config.saves("loss")
     prev = norm(h)
     logits = head(prev)
-    main = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    main = cross_entropy(logits.flatten(0, 1), labels.flatten(), keep)
     mtp_losses = []
     for k, module in enumerate(mtp, start=1):
         n = seq - k
         prev = module.norm(module(prev[:, :n], embed(labels[:, k - 1:k - 1 + n])))
         logits_k = head(prev)
-        mtp_losses.append(F.cross_entropy(logits_k.flatten(0, 1).float(), labels[:, k:k + n].flatten()))
+        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), labels[:, k:k + n].flatten(), keep))
     total = main
     if mtp_losses:
         total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()
@@ -145,7 +175,7 @@ class DeepSeekV3Model(nn.Module):
         with deferred_init():
             self.embed = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in range(config.n_layers)})
-            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.norm = RMSNorm(config.dim, config.norm_eps, config.saves("norm"))
             self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
             self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
         init_weights(self, config.init_std)

@@ -35,6 +35,7 @@ from torch import nn
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
+from ..compile import check_backend, compile_stage
 from ..fp8 import convert_to_fp8
 from ..recompute import apply_recompute
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
@@ -95,6 +96,22 @@ class DeepSeekV3Stage(nn.Module):
 
     fp8_checkpoint_names = staticmethod(is_fp8_weight)
     fp32_checkpoint_names = staticmethod(is_fp32_weight)
+
+    def compile_targets(self) -> list[nn.Module]:
+        """What ``compile=`` compiles (``integrations/compile.py``): per block the two norms, MLA (its
+        latent norms, RoPE, softmax) and the dense FFN or the shared experts (SwiGLU), and the final
+        norm; their linears stay eager so their weight GEMMs still wait for W. The router, the routed
+        experts (row counts change with the routing) and the dispatch / combine stay eager. The
+        overlapped F&B's pieces call these modules, so DualPipe's F&B runs them compiled too."""
+        targets: list[nn.Module] = []
+        for block in self.layers.values():
+            targets += [block.attn_norm, block.attn, block.ffn_norm]
+            ffn = block.ffn.shared_experts if block.is_moe else block.ffn
+            if ffn is not None:
+                targets.append(ffn)
+        if self.is_last:
+            targets.append(self.norm)
+        return targets
 
     @torch.no_grad()
     def load_from(self, model: nn.Module) -> DeepSeekV3Stage:
@@ -188,16 +205,20 @@ def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
                  source: DeepSeekV3Model | None = None, indices: Sequence[int] | None = None,
                  ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True,
-                 checkpoint: Any = None, fp8: bool = False, recompute: str = "none") -> list[DeepSeekV3Stage]:
+                 checkpoint: Any = None, fp8: bool = False, recompute: str = "none",
+                 compile: bool | str = False) -> list[DeepSeekV3Stage]:
     """The stage modules (all, or only ``indices``), weights copied from ``source`` when given.
 
     ``recompute``: ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``).
+    ``compile``: True (inductor) or a backend name compiles each block's memory-bound parts, its
+    linears kept out of the graph so the split still defers their weight GEMMs (``integrations/compile.py``).
 
     ``defer_weight_grads``: build the linears as ``DeferredLinear`` (the zero-bubble B/W split).
     ``checkpoint`` (a Hugging Face checkpoint folder or ``hf_checkpoint.Checkpoint``): each stage is
     built on the meta device and reads only its own tensors (with ``ep_group``: only its experts);
     ``fp8`` converts the linears to ``FP8Linear`` (``convert_to_fp8``; before a checkpoint is read, so
     its FP8 weights and block scales are kept as stored)."""
+    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
     wanted = range(num_stages) if indices is None else indices
     if checkpoint is not None:
@@ -206,7 +227,7 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
         ckpt = open_checkpoint(checkpoint)
         stages = [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
                                ckpt, config, fp8=fp8) for i in wanted]
-        return [_recomputed(st, recompute) for st in stages]
+        return [_recomputed(st, recompute, backend) for st in stages]
     stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads) for i in wanted]
     if source is not None:
         for st in stages:
@@ -214,11 +235,15 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
     if fp8:
         for st in stages:
             convert_to_fp8(st)
-    return [_recomputed(st, recompute) for st in stages]
+    return [_recomputed(st, recompute, backend) for st in stages]
 
 
-def _recomputed(stage: DeepSeekV3Stage, policy: str) -> DeepSeekV3Stage:
-    apply_recompute(stage, policy)
+def _recomputed(stage: DeepSeekV3Stage, policy: str, backend: str | None = None) -> DeepSeekV3Stage:
+    """The recompute policy, and compilation when asked (which must wrap the policy's regions)."""
+    if backend is None:
+        apply_recompute(stage, policy)
+    else:
+        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=policy)
     mark_expert_weights(stage)  # again: checkpoint loading and FP8 conversion may have made new Parameters
     return stage
 
@@ -244,7 +269,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
                     *, source: DeepSeekV3Model | None = None,
                     ep_group: dist.ProcessGroup | None = None, mesh: Any = None,
                     defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False,
-                    recompute: str = "none") -> list[DeepSeekV3Stage]:
+                    recompute: str = "none", compile: bool | str = False) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
     ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost).
@@ -262,7 +287,8 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
         layout = balanced_layout(config, schedule.placement)
     wanted = [s for _, s in schedule.local_stages(rank)]
     return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
-                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute)
+                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute,
+                        compile=compile)
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage]):

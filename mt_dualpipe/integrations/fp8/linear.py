@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mt_dualpipe.runtime.activation_bytes import ActivationBytes
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 
 from .backends import BACKENDS, Gemm, resolve_gemm
@@ -158,3 +159,70 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend}"
+
+
+def _swiglu_product(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None) -> torch.Tensor:
+    out = torch.nn.functional.silu(gate) * up
+    return out if row_weight is None else out * row_weight
+
+
+class _FP8SwiGLUDownFunction(torch.autograd.Function):
+    """``down(silu(gate)·up [· row_weight])`` with ``down`` an FP8 linear, keeping only gate and up in E4M3
+    with 1×128 scales (DeepSeek-V3 report §3.3.2: the SwiGLU's inputs are cached and its output is
+    recomputed in backward). The product, which is the down-projection's input, is not kept from F to
+    B: B rebuilds it from the dequantised gate and up, uses it for the input gradients, and its FP8 copy
+    is what the (possibly deferred) weight-gradient GEMM then holds until W, as ``FP8Linear`` would."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None,
+                weight: torch.Tensor, wq: QTensor, gemm: Gemm) -> torch.Tensor:
+        lead, ffn = gate.shape[:-1], gate.shape[-1]
+        gq, uq = quantize_tiles(gate.detach().reshape(-1, ffn)), quantize_tiles(up.detach().reshape(-1, ffn))
+        y = gemm(quantize_tiles(_swiglu_product(gate, up, row_weight).reshape(-1, ffn)), wq)
+        ctx.save_for_backward(gq.data, gq.scale, uq.data, uq.scale, row_weight, wq.data, wq.scale)
+        ctx.gemm, ctx.weight, ctx.shape, ctx.dtype = gemm, weight, gate.shape, gate.dtype
+        return y.to(gate.dtype).reshape(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        g_data, g_scale, u_data, u_scale, row_weight, w_data, w_scale = ctx.saved_tensors
+        gemm, weight = ctx.gemm, ctx.weight
+        gate = dequantize(QTensor(g_data, g_scale, "tile")).to(ctx.dtype).view(ctx.shape)
+        up = dequantize(QTensor(u_data, u_scale, "tile")).to(ctx.dtype).view(ctx.shape)
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip((gate, up, row_weight), ctx.needs_input_grad)]
+            product = _swiglu_product(*leaves)
+        dp = gemm(quantize_tiles(dy), QTensor(w_data, w_scale, "block").t()).to(ctx.dtype).view(ctx.shape)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        got = iter(torch.autograd.grad(product, wanted, dp) if wanted else ())
+        grads = [next(got) if t is not None and t.requires_grad else None for t in leaves]
+        if not ctx.needs_input_grad[3]:
+            return (*grads, None, None, None)
+        pq = quantize_tiles(product.detach().reshape(-1, ctx.shape[-1]))
+        del product
+        recorder = ActivationBytes.active()
+        if recorder is not None:  # held from B until W: the runtime counts it as W-held, like a recomputed input
+            recorder.recomputed(pq.data)
+            recorder.recomputed(pq.scale)
+
+        def weight_grads() -> tuple[torch.Tensor, None]:
+            x = dequantize(pq)
+            return gemm(quantize_tiles(dy.t()), quantize_tiles(x.t())), None
+
+        store = WeightGradStore.active()
+        if store is not None and _deferrable(weight, True):
+            store.put_grads((weight, None), weight_grads)
+            return (*grads, None, None, None)
+        return (*grads, weight_grads()[0].to(weight.dtype), None, None)
+
+
+def fp8_swiglu_down(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None,
+                    down: FP8Linear) -> torch.Tensor:
+    """``down(silu(gate) * up [* row_weight])`` keeping only FP8 gate and up for backward (see
+    ``_FP8SwiGLUDownFunction``); ``down`` must be a bias-free ``FP8Linear``."""
+    if down.bias is not None:
+        raise ValueError("fp8_swiglu_down needs a down-projection without bias")
+    _, gemm = resolve_gemm(gate.device, down.backend)
+    return _FP8SwiGLUDownFunction.apply(gate, up, row_weight, down.weight, down.quantized_weight(), gemm)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
+from ..compile import check_backend, compile_stage
 from ..deepseek_v3.model import deferred_init
 from ..fp8 import convert_to_fp8
 from ..recompute import apply_recompute, check_policy
@@ -53,6 +54,7 @@ class LlamaStage(nn.Module):
         self.config, self.index, self.num_stages = config, index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.loss_log: list[float] = []
+        self.loss_fn = lm_loss  # compile= swaps in a compiled copy (the float upcast and softmax of the logits fuse)
         embed = self.is_first or (self.is_last and config.tie_word_embeddings)
         with deferred_init():
             self.model = LlamaBody(config, list(layer_ids), embed=embed, norm=self.is_last)
@@ -78,7 +80,7 @@ class LlamaStage(nn.Module):
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        loss = lm_loss(F.linear(self.model.norm(h), weight), labels)
+        loss = self.loss_fn(F.linear(self.model.norm(h), weight), labels)
         self.loss_log.append(float(loss.detach()))
         return loss
 
@@ -96,16 +98,42 @@ class LlamaStage(nn.Module):
 
     fp8_checkpoint_names = staticmethod(is_fp8_weight)
 
+    def compile_targets(self) -> list[nn.Module]:
+        """What ``compile=`` compiles (``integrations/compile.py``): per layer its two norms, the attention
+        (RoPE, GQA repeat, softmax) and the MLP (SwiGLU product), and the final norm (the loss is
+        compiled on its own: ``loss_fn``); each module's linears stay eager so their weight GEMMs still
+        wait for W. The residual adds stay eager."""
+        targets: list[nn.Module] = []
+        for layer in self.model.layers.values():
+            targets += [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp]
+        if self.is_last:
+            targets.append(self.model.norm)
+        return targets
+
+
+def _finish(stage: LlamaStage, recompute: str, backend: str | None) -> LlamaStage:
+    """The recompute policy, and compilation when asked (which must wrap the policy's regions)."""
+    if backend is None:
+        apply_recompute(stage, recompute)
+    else:
+        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=recompute)
+        if stage.is_last:
+            stage.loss_fn = torch.compile(lm_loss, backend=backend)
+    return stage
+
 
 def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | None = None, *,
                  source: nn.Module | None = None, indices: Sequence[int] | None = None,
                  checkpoint: Any = None, fp8: bool = False, defer_weight_grads: bool = True,
-                 recompute: str = "none") -> list[LlamaStage]:
+                 recompute: str = "none", compile: bool | str = False) -> list[LlamaStage]:
     """The stage modules (all, or ``indices``): weights from ``source``, or read per stage from a Hugging
     Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``fp8`` converts the
     linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored). ``recompute``:
-    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``)."""
+    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``compile``: True
+    (inductor) or a backend name compiles each layer's memory-bound parts, linears kept out of the
+    graph (``integrations/compile.py``)."""
     check_policy(recompute)
+    backend = check_backend(compile)
     if source is not None and checkpoint is not None:
         raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
     ids = stage_layer_ids(config, num_stages, layout)
@@ -117,24 +145,22 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
     if checkpoint is not None:
         ckpt = open_checkpoint(checkpoint)
         stages = [build_loaded(lambda i=i: make(i), ckpt, fp8=fp8) for i in wanted]
-        for st in stages:
-            apply_recompute(st, recompute)
-        return stages
+        return [_finish(st, recompute, backend) for st in stages]
     stages = [make(i) for i in wanted]
     for st in stages:
         if source is not None:
             st.load_from(source)
         if fp8:
             convert_to_fp8(st)
-        apply_recompute(st, recompute)
-    return stages
+    return [_finish(st, recompute, backend) for st in stages]
 
 
 def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,
                     **kwargs: Any) -> list[LlamaStage]:
     """This rank's stages for any schedule or placement, in ``local_stages(rank)`` order (what the runtime
     expects); mirrored chains (DualPipe) map chain c's stage s to model stage s. ``kwargs`` go to
-    ``build_stages`` (``source``, ``checkpoint``, ``fp8``, ``defer_weight_grads``, ``recompute``)."""
+    ``build_stages`` (``source``, ``checkpoint``, ``fp8``, ``defer_weight_grads``, ``recompute``,
+    ``compile``)."""
     num = schedule.num_stages(0) if callable(schedule.num_stages) else schedule.num_stages
     wanted = [s for _, s in schedule.local_stages(rank)]
     return build_stages(config, num, layout, indices=wanted, **kwargs)
