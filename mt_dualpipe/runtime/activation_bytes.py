@@ -93,7 +93,9 @@ class ActivationBytes:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._count(t.untyped_storage())
-        return t
+        # detached: a saved output packed as itself would hold its own grad_fn, a cycle through autograd's
+        # C++ nodes that no collector breaks once a split's W keeps the graph (the step would leak)
+        return t.detach()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[ActivationBytes]:

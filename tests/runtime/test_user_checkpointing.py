@@ -141,15 +141,17 @@ def test_each_checkpointed_block_recomputes_once_in_b(name):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_checkpointing_lowers_the_recorded_activation_peak(name):
-    """The recorded peak (saved tensors, plus what B's recompute keeps for W) with checkpointing is below
-    the peak without, on every rank, for the generic split and for deferred W alike."""
+    """The recorded peak (saved tensors, plus what B's recompute keeps for W) with checkpointing is at most
+    the peak without on every rank, and below it summed over the ranks, for the generic split and for
+    deferred W alike. (Between B and W a split keeps the linears' inputs either way, so on a rank whose
+    peak falls in that window checkpointing cannot lower it.)"""
     cases, results = _results()
     peaks = {(kind, defer): [r["peak"] for r in res]
              for (sched, kind, defer, *_), res in zip(cases, results) if sched.name == name}
     for defer in (False, True):
         for kind in KINDS[1:]:
-            assert all(0 < ac < plain for ac, plain in zip(peaks[kind, defer], peaks[None, defer])), \
-                (name, kind, defer, peaks)
+            ac, plain = peaks[kind, defer], peaks[None, defer]
+            assert all(0 < a <= p for a, p in zip(ac, plain)) and sum(ac) < sum(plain), (name, kind, defer, peaks)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
