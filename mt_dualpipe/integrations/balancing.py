@@ -92,7 +92,7 @@ def batch_balance_loss(scores: torch.Tensor, indices: torch.Tensor, topk: int,
     """
     n_experts = scores.size(-1)
     counts = torch.bincount(indices.flatten(), minlength=n_experts).to(torch.float64)
-    tokens = torch.tensor([float(scores.size(0))], dtype=torch.float64)
+    tokens = torch.tensor([float(scores.size(0))], dtype=torch.float64, device=counts.device)
     if group is not None and dist.get_world_size(group) > 1:
         both = torch.cat([counts, tokens])
         dist.all_reduce(both, group=group)

@@ -45,3 +45,21 @@ def backend_for(device: torch.device | str) -> str:
     if kind not in BACKENDS:
         raise ValueError(f"no point-to-point backend for device type {kind!r}; supported: {', '.join(BACKENDS)}")
     return BACKENDS[kind]
+
+
+def collective_device(group: object = None) -> torch.device:
+    """Where a small host-side tensor must live for a collective on ``group`` (None: the default group).
+
+    cpu where the group has a CPU backend (gloo, or a ``"cpu:gloo,cuda:nccl"`` pair); otherwise this
+    process's current accelerator: NCCL and MCCL take device tensors only, and a CPU tensor there fails
+    with "No backend type associated with device type cpu".
+    """
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    kind = next((k for k, v in BACKENDS.items() if v in backend and k != "cpu"), "cuda")
+    if kind == "musa":
+        try_import_musa()
+    return torch.device(kind, getattr(torch, kind).current_device())

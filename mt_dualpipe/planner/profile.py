@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..parallel.device import collective_device
 from ..runtime.stage import Stage
 from ..runtime.weight_grad import WeightGradStore
 from ..schedules.costs import Costs
@@ -113,7 +114,7 @@ def p2p_time(nbytes: int, device: torch.device, repeats: int = 5, group: dist.Pr
         return 0.0
     rank = dist.get_rank(group)
     buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    result = torch.zeros(1, dtype=torch.float64)
+    result = torch.zeros(1, dtype=torch.float64, device=collective_device(group))
     if rank in (0, 1):
         peer = 1 - rank
         times = []
@@ -150,7 +151,7 @@ def a2a_time(nbytes: int, device: torch.device, repeats: int = 5, group: dist.Pr
         _sync(device)
         if i:
             times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t[0])
 

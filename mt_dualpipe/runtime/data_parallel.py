@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..parallel.device import collective_device
 from ..parallel.mesh import ParallelDims, SyncGroup
 from ..parallel.stage_sync import DP_MODES, StageGradSync, stage_params
 from ..parallel.weight_kinds import KINDS, weight_kind
@@ -162,22 +163,24 @@ def _declared(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
 
 
 def _gathered(payload: Any, group: dist.ProcessGroup) -> list[Any]:
-    """Every rank's ``payload`` (picklable), by two plain ``all_gather``s of CPU tensors (sizes, then bytes).
+    """Every rank's ``payload`` (picklable), by two plain ``all_gather``s (sizes, then bytes), on the
+    group's collective device (cpu on gloo, the current GPU on NCCL: ``device.collective_device``).
 
     Not ``dist.all_gather_object``: on gloo with torch 2.13 a process that called it aborted at exit
     now and then ("terminate called without an active exception", about one run in four of
     examples/llama_fp8.py); these two tensor collectives do the same exchange without that.
     """
+    device = collective_device(group)
     data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8)
     n = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
-    longest = max(int(t.item()) for t in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    lengths = [int(t.item()) for t in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
     padded[: data.numel()] = data
-    got = [torch.empty(longest, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(got, padded, group=group)
-    return [pickle.loads(t[: int(k.item())].numpy().tobytes()) for t, k in zip(got, sizes)]
+    got = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(n)]
+    dist.all_gather(got, padded.to(device), group=group)
+    return [pickle.loads(t[:k].cpu().numpy().tobytes()) for t, k in zip(got, lengths)]
 
 
 def find_ties(modules: Sequence[nn.Module], local: Sequence[tuple[int, int]], group: dist.ProcessGroup,

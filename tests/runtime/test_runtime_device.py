@@ -35,3 +35,18 @@ def test_musa_is_optional():
     assert try_import_musa() in (True, False)
     if not hasattr(torch, "musa"):
         assert try_import_musa() is False
+
+
+def test_collective_device_is_cpu_on_gloo(tmp_path):
+    """Small tensors of a collective live where the group's backend takes them (cpu on gloo; on NCCL the
+    current GPU: tests/cuda)."""
+    import torch.distributed as dist
+
+    from mt_dualpipe.parallel.device import collective_device
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert collective_device() == torch.device("cpu")
+        assert collective_device(dist.new_group([0], backend="gloo")) == torch.device("cpu")
+    finally:
+        dist.destroy_process_group()

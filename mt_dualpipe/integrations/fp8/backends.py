@@ -57,10 +57,11 @@ def _round_up(n: int, m: int) -> int:
 class ScaledMMGemm:
     """Block-scaled ``torch.nn.functional.scaled_mm``; falls back to the emulation per call.
 
-    Operands are zero-padded to what cuBLAS' block-scaled FP8 GEMM asks for (contraction length a
-    multiple of 128, 128x128-scaled rows a multiple of 128, 1x128-scaled rows a multiple of 4 so the
-    column-major scales are 16-byte aligned, 128x128 scales padded to a multiple of 4 along K);
-    zero padding is exact, and the result is cut back to the true shape.
+    Operands are zero-padded to what cuBLAS' block-scaled FP8 GEMM asks for: contraction length a
+    multiple of 128; the left operand's rows a multiple of 4, so its column-major scales are 16-byte
+    aligned; the right operand's rows a multiple of 128 when 128x128-scaled, of 16 when 1x128-scaled
+    (both of its dimensions must divide by 16); 128x128 scales padded to a multiple of 4 along K.
+    Zero padding is exact, and the result is cut back to the true shape.
     """
 
     def __init__(self, out_dtype: torch.dtype) -> None:
@@ -82,7 +83,7 @@ class ScaledMMGemm:
             b_scale = torch.nn.functional.pad(blocks, (0, -blocks.shape[1] % 4)).t()  # (L4, N/128), K-major
             recipe_b = ScalingType.BlockWise128x128
         else:
-            n_pad = _round_up(n, 4)
+            n_pad = _round_up(n, 16)  # the FP8 GEMM wants both of mat2's dimensions a multiple of 16
             b_scale = _outer_major(torch.nn.functional.pad(b.scale, (0, 0, 0, n_pad - n), value=1.0))
             recipe_b = ScalingType.BlockWise1x128
         out = scaled_mm(_pad_data(a.data, mp, kp), _pad_data(b.data, n_pad, kp).t(), _outer_major(a_scale),

@@ -1,11 +1,14 @@
-"""Token embedding, the LM head (tied or not) and the next-token loss."""
+"""Token embedding, the LM head (tied or not) and the next-token loss (per call, or normalised by the step's
+global count of valid targets)."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...parallel.device import collective_device
 from .common import compute_dtype
 
 
@@ -23,7 +26,42 @@ def logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, head_weight)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy (``labels[:, i]`` is token i+1) in ``compute_dtype``; ``ignore_index``
-    targets are masked out."""
-    return F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits)), labels.flatten(), ignore_index=ignore_index)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+            normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy (``labels[:, i]`` is token i+1) in ``compute_dtype``; ``ignore_index``
+    targets are masked out.
+
+    ``normalizer`` None: the mean over this call's valid targets. Otherwise the sum over them divided
+    by ``normalizer``, the step's count of valid targets (``step_normalizer``): the micro-batches' losses
+    then add up to the step's token mean, so a pipelined step's gradients equal one process's on the
+    whole batch even when micro-batches hold different numbers of masked targets."""
+    flat = logits.flatten(0, 1).to(compute_dtype(logits))
+    if normalizer is None:
+        return F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index, reduction="sum") / normalizer
+
+
+def count_targets(labels: torch.Tensor, ignore_index: int = -100) -> int:
+    """The valid (not ``ignore_index``) targets in ``labels``."""
+    return int((labels != ignore_index).sum())
+
+
+def step_normalizer(labels: torch.Tensor, ignore_index: int = -100, group: dist.ProcessGroup | None = None,
+                    replicas: int = 1) -> float:
+    """The ``normalizer`` that makes a step's micro-batch losses sum to its global token mean.
+
+    ``labels``: all of this step's labels this rank holds (every micro-batch). ``group``: the ranks whose
+    labels together form the global batch (the last stage's data-parallel peers when each holds only its
+    own share, ``dp_batch="local"``); their counts are summed. ``replicas``: how many data-parallel
+    replicas average their gradients afterwards (the runtime's gradient sync divides by it), so the
+    normalizer is the global count over ``replicas`` and the average comes out as the global mean.
+    Torchtitan normalises the same way (global valid-token count), rather than per micro-batch.
+    """
+    count = torch.tensor([count_targets(labels, ignore_index)], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        count = count.to(collective_device(group))
+        dist.all_reduce(count, group=group)
+    total = float(count.item())
+    if total == 0:
+        raise ValueError("the step has no valid targets (every label is ignore_index); nothing to normalise by")
+    return total / replicas

@@ -1,0 +1,105 @@
+"""W's deferred weight gradients reach ``.grad`` in as few autograd engine calls as the batch bound allows.
+
+One engine call per linear made W on a GPU 1.8x slower than the fused backward (each call hands over to
+the device thread); ``run_group`` batches a W's ``put_grads`` entries into one call per
+``ACCUMULATE_BATCH_BYTES``. Gradients stay those of plain autograd, a weight used twice in one
+micro-batch gets the sum, and a post-accumulate hook fires once per W with the accumulated gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mt_dualpipe.runtime import weight_grad
+from mt_dualpipe.runtime.deferred import defer_weight_grads
+from mt_dualpipe.runtime.weight_grad import WeightGradStore
+
+
+def _model(layers: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.Tanh())])
+
+
+def _engine_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch.autograd.backward
+
+    def counting(tensors, grads=None, *args, **kwargs):
+        calls.append(len(tensors) if isinstance(tensors, (list, tuple)) else 1)
+        return real(tensors, grads, *args, **kwargs)
+
+    monkeypatch.setattr(weight_grad.torch.autograd, "backward", counting)
+    return calls
+
+
+def _b_then_w(model: nn.Module, x: torch.Tensor, store: WeightGradStore, calls: list[int]) -> None:
+    y = model(x)
+    with store.deferring("mb0"):
+        y.sum().backward()
+    assert all(p.grad is None for p in model.parameters()), "B must leave every weight gradient to W"
+    calls.clear()  # count W's engine calls only
+    store.run("mb0")
+
+
+def test_one_w_is_one_engine_call_and_equals_plain_autograd(monkeypatch):
+    ref, model = _model(), defer_weight_grads(_model())
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ref.double()(x).sum().backward()
+    store = WeightGradStore()
+    model.double()
+    calls = _engine_calls(monkeypatch)
+    _b_then_w(model, x, store, calls)
+    assert calls == [12], "six linears' weights and biases in one engine call"
+    assert store.closures_run == 6
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_the_batch_bound_splits_a_w_into_several_calls(monkeypatch):
+    model = defer_weight_grads(_model())
+    per_linear = (16 * 16 + 16) * 4  # float32 bytes of one linear's weight and bias gradients
+    monkeypatch.setattr(weight_grad, "ACCUMULATE_BATCH_BYTES", 2 * per_linear)
+    calls = _engine_calls(monkeypatch)
+    _b_then_w(model, torch.randn(4, 16), WeightGradStore(), calls)
+    assert calls == [4, 4, 4]
+
+
+def test_a_weight_used_twice_gets_the_sum_and_its_hook_fires_once_per_w():
+    torch.manual_seed(0)
+    lin = defer_weight_grads(nn.Sequential(nn.Linear(8, 8)))
+    ref = nn.Linear(8, 8)
+    ref.load_state_dict(lin[0].state_dict())
+    seen: list[torch.Tensor] = []
+    lin[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    x = torch.randn(3, 8)
+    ref(torch.tanh(ref(x))).sum().backward()
+    store = WeightGradStore()
+    y = lin(torch.tanh(lin(x)))
+    with store.deferring("mb0"), weight_grad.held_post_accumulate_hooks(list(lin.parameters())):
+        y.sum().backward()
+    assert seen == []
+    store.run("mb0")
+    assert len(seen) == 1
+    torch.testing.assert_close(lin[0].weight.grad, ref.weight.grad)
+    torch.testing.assert_close(seen[0], ref.weight.grad)
+
+
+def test_other_closures_keep_their_place_between_batches():
+    order: list[str] = []
+    store = WeightGradStore()
+    p = nn.Parameter(torch.zeros(2))
+    p.register_post_accumulate_grad_hook(lambda t: order.append(f"acc {float(t.grad[0]):g}"))
+    with store.deferring("k"):
+        store.put_grads((p,), lambda: (torch.ones(2),))
+        store.put(lambda: order.append("custom"))
+        store.put_grads((p,), lambda: (torch.ones(2),))
+    store.run("k")
+    assert order == ["acc 1", "custom", "acc 2"]
+
+
+@pytest.mark.parametrize("bad", [None])
+def test_put_grads_outside_a_deferred_b_is_refused(bad):
+    with pytest.raises(RuntimeError, match="outside a deferred B"):
+        WeightGradStore().put_grads((nn.Parameter(torch.zeros(1)),), lambda: (bad,))
