@@ -363,10 +363,11 @@ def crash_check(name: str, rank: int, blocks, x, y, args) -> str:
 def single_process(blocks: list[Block], x, y, args) -> dict:
     """What compile gives this model on one process: the same steps (every micro-batch's forward and
     backward through all blocks) eager, each block compiled whole, and each block compiled with its
-    linears kept eager (what mt_dualpipe does to a compiled block). Medians in ms."""
+    linears split out of the graph's backward (what mt_dualpipe does to a compiled block of a stage that
+    has W ops; with no store active each weight gradient is accumulated at once). Medians in ms."""
     import torch._dynamo
 
-    from mt_dualpipe.runtime.compiled import keep_products_eager
+    from mt_dualpipe.runtime.compiled import split_products
 
     mods = {}
     for kind in ("eager", "compiled", "linears eager"):
@@ -378,7 +379,7 @@ def single_process(blocks: list[Block], x, y, args) -> dict:
                 b.compile(backend=args.backend)
         mods[kind] = nn.Sequential(*bs)
         if kind == "linears eager":
-            keep_products_eager(mods[kind])
+            split_products(mods[kind])
     parts = list(zip(torch.tensor_split(x, args.micro_batches), torch.tensor_split(y, args.micro_batches)))
 
     def step(m):
@@ -465,7 +466,7 @@ def single_line(single: dict) -> str:
     e = single["eager"]
     return ("The same model on one process, no pipeline (same micro-batches, median ms per step): eager "
             f"{e:.1f}, every block compiled {single['compiled']:.1f} ({single['compiled'] / e:.2f}x), every block "
-            f"compiled with its linears kept eager (mt_dualpipe's way) {single['linears eager']:.1f} "
+            f"compiled with its linears split (mt_dualpipe's way in a split stage) {single['linears eager']:.1f} "
             f"({single['linears eager'] / e:.2f}x).")
 
 
@@ -491,8 +492,8 @@ How each figure is taken (`benchmarks/user_stack.py`, both runtimes treated iden
   median over the timed steps of the slowest rank's step (barrier before each), eager and compiled rounds
   interleaved, after warm-up steps that include the compile. Torch's compiled rows run with
   `torch._functorch.config.donated_buffer = False` (they crash with the default, below); mt_dualpipe's run with
-  torch's defaults (the library turns donation off itself, and keeps each block's linears out of the graph so
-  their weight-gradient GEMMs can run in W: a block is three compiled pieces, not one).
+  torch's defaults (the library turns donation off itself, and in a stage with W ops traces each block's linears
+  as `mt_dualpipe::linear`, whose backward leaves the weight-gradient GEMM to W: a block stays one graph).
 - **compiled bwd runs / fwd runs**: the same per-block compile with a counting `aot_eager` backend (AOTAutograd
   whose compiled forward and backward count their calls), one step after a first one, both ranks summed.
   1.00 = each compiled backward ran once per compiled forward; above 1, W re-ran compiled backwards that B had

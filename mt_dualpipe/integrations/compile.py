@@ -9,10 +9,11 @@ queue its GEMM in the ``WeightGradStore``. So:
 - each family names its **compile targets**, the sub-modules of a block that hold the memory-bound
   work (its norms, its attention, its dense FFN or shared experts), and each is compiled in place
   (``module.compile()``: parameter names, state dicts and the single-process reference unchanged);
-- every linear inside them runs **outside the graph** (``runtime.compiled.keep_products_eager``:
-  ``torch.compiler.disable`` on the instance's forward), so inductor fuses the elementwise work
-  between the GEMMs, and the linears keep their own autograd Functions, which defer their weight
-  GEMMs to W exactly as in eager;
+- every linear inside them is **split out of the graph's backward** (``runtime.compiled.split_products``):
+  a ``DeferredLinear`` traces as the custom op ``mt_dualpipe::linear``, whose backward queues its
+  weight GEMM for W exactly as in eager, so a target stays one graph and inductor fuses the
+  elementwise work around the GEMMs; an ``FP8Linear`` runs outside the graph
+  (``torch.compiler.disable``), keeping its own autograd Function;
 - **recompute regions** (``integrations/recompute.py``) stay opaque to the enclosing graph: dynamo
   would otherwise trace ``torch.utils.checkpoint`` and its run counter into the graph (the
   recompute would then happen inside the compiled backward and the counter only at trace time).
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.compiled import keep_products_eager
+from ..runtime.compiled import split_products
 from .recompute import DeclaresRecompute, apply_recompute
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -75,7 +76,7 @@ def compile_stage(stage: nn.Module, targets: Iterable[nn.Module], *, backend: st
             setattr(module, name, torch.compile(getattr(module, name), backend=backend, **options))
     for t in targets:
         t.compile(backend=backend, **options)
-    keep_products_eager(stage)
+    split_products(stage)
     counts = apply_recompute(stage, recompute)
     for module, name in regions:  # the checkpoint runs eagerly around the compiled inside
         setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))

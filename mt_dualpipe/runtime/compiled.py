@@ -5,14 +5,14 @@ backward computes every gradient of the region at once. The split needs the oppo
 expensive part: a weight-gradient GEMM must be its own work, runnable at W. So, for every compiled
 region of a stage (``torch.compile(module)`` or ``module.compile()``, a block or the whole stage):
 
-- **its matrix products stay out of the graph**: each ``nn.Linear`` inside (and each module that
-  defers its weight gradient, ``supports_deferred_weight_grad``) runs its forward eagerly
-  (``torch.compiler.disable``), so dynamo compiles the memory-bound work between them (norms,
-  activations, residuals: what fusion speeds up) and the linears keep their own autograd nodes,
-  which the generic split divides into B and W exactly as in eager, and whose deferring versions
-  still queue their GEMMs in the ``WeightGradStore``. A compiled piece's remaining weights (a norm's)
-  get their gradients in B, captured and accumulated at W (``backward.py``): each compiled backward
-  runs once.
+- **its matrix products are split out of the graph's backward**: each ``nn.Linear`` and
+  ``DeferredLinear`` inside becomes the custom op ``mt_dualpipe::linear`` on its detached weight while
+  dynamo traces it (``linear_op.py``), so the region stays one graph and the op's backward queues the
+  weight-gradient GEMM for W exactly as ``DeferredLinear`` does; any other product (a module that
+  defers its own weight gradient with its own forward, ``FP8Linear``) runs its forward eagerly
+  (``torch.compiler.disable``), outside the graph, keeping its own autograd node. A compiled piece's
+  remaining weights (a norm's) get their gradients in B, captured and accumulated at W
+  (``backward.py``): each compiled backward runs once.
 - **no buffer donation**: AOTAutograd may let a compiled backward overwrite its saved buffers,
   which it allows only in a backward that frees its graph; the split's B keeps the graph for W.
   The stage's forward (when compilation happens) runs with
@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import linear_op
+
 
 def _compiled(m: nn.Module) -> bool:
     """``torch.compile(m)``'s wrapper (its class lives in ``torch._dynamo``, which is not imported here
@@ -48,18 +50,30 @@ def _product(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or bool(getattr(type(m), "supports_deferred_weight_grad", False))
 
 
-def keep_products_eager(module: nn.Module) -> int:
-    """Run every linear inside a compiled region of ``module`` outside the graph; returns how many."""
+def split_products(module: nn.Module) -> int:
+    """Make every matrix product inside a compiled region of ``module`` splittable; returns how many.
+
+    Plain linears (``linear_op.splittable``) become ``mt_dualpipe::linear`` when traced; other products
+    run outside the graph. The forwards are swapped on the instances (an instance attribute: the
+    class's forward and other instances are untouched), once.
+    """
     done = 0
     seen: set[int] = set()
     for region in compiled_regions(module):
         for m in region.modules():
-            if _product(m) and id(m) not in seen and not getattr(m.forward, "_mt_eager", False):
-                seen.add(id(m))
+            if not _product(m) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            swapped = getattr(m.forward, "__func__", None) is linear_op.traced_forward
+            if swapped or getattr(m.forward, "_mt_eager", False):
+                continue
+            if linear_op.splittable(m):
+                linear_op.use_op_when_compiled(m)
+            else:
                 eager = torch.compiler.disable(m.forward, recursive=True)
                 eager._mt_eager = True  # type: ignore[attr-defined]
-                m.forward = eager  # an instance attribute: the class's forward and other instances are untouched
-                done += 1
+                m.forward = eager
+            done += 1
     return done
 
 

@@ -142,8 +142,9 @@ class Executor:
             raise PipelineError(
                 f"rank {rank} runs {len(local)} stage(s) {local} of schedule {sched.name!r} but was given "
                 f"{len(modules)} module(s); pass one module per stage, in (chain, stage) order")
+        split = {(ins.chain, ins.stage) for ins in program.ranks[rank] if isinstance(ins, Op) and ins.kind == W}
         self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store, rank=rank,
-                                     rank_name=self.rank_name)
+                                     rank_name=self.rank_name, splits=(c, s) in split)
                        for (c, s), m in zip(local, modules)}
         self._programs: dict[bool, list[tuple[int, Any]]] = {}
         self._plans: dict[bool, list[Planned]] = {}

@@ -129,10 +129,13 @@ class Stage:
     """One (chain, stage) of this rank: its module and the per-micro-batch state of a step.
 
     ``rank`` (the pipeline rank, set by the ``Pipeline``) only names the rank in error messages.
+    ``splits``: the schedule gives this stage W ops (split B); only then do its compiled regions need
+    their linears split out of the graph (``compiled.split_products``), which a fused BW does not.
     """
 
     def __init__(self, module: nn.Module, chain: int, stage: int, is_first: bool, is_last: bool,
-                 store: WeightGradStore, rank: int | None = None, rank_name: str | None = None):
+                 store: WeightGradStore, rank: int | None = None, rank_name: str | None = None,
+                 splits: bool = True):
         self.module, self.chain, self.stage = module, chain, stage
         self.rank_name = rank_name if rank_name is not None else (None if rank is None else f"rank {rank}")
         self._deferred = deferred_params(module)
@@ -142,9 +145,9 @@ class Stage:
         self.rank = rank
         self.fast = supports_fast_split(module)
         self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
-        self.compiled = bool(compiled.compiled_regions(module))  # its linears run eagerly: see compiled.py
-        if self.compiled:
-            compiled.keep_products_eager(module)
+        self.compiled = bool(compiled.compiled_regions(module))  # see compiled.py
+        if self.compiled and splits:
+            compiled.split_products(module)
         self.checkpointed = False  # its forward ran non-reentrant checkpoint regions (B and W share their recompute)
         self._warned: set = set()  # warnings the module's forward raised, shown once each
         self._said_unsplit = False  # the warning that the generic split fell back, given once

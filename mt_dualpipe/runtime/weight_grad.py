@@ -138,6 +138,30 @@ class _Accumulate:
         _accumulate(self.grads())
 
 
+def accumulate_now(params: Sequence[Any], compute: Callable[[], Sequence[Any]]) -> None:
+    """What a queued ``put_grads`` entry does at W, done now (a backward with no store active).
+
+    Called from inside a running backward (``linear_op``), once per layer: a nested engine call there
+    would cost more than the GEMM on small layers, so a parameter that nothing observes (no tensor
+    hook, no post-accumulate hook) gets the gradient added directly, as AccumulateGrad would: stored
+    when ``.grad`` is None, added in place otherwise. Observed parameters still go through the engine.
+    """
+    pairs = _Accumulate(params, compute).grads()
+    observed = [(p, g) for p, g in pairs if _hooked(p)]
+    with torch.no_grad():
+        for p, g in pairs:
+            if not _hooked(p):
+                if p.grad is None:
+                    p.grad = g  # a fresh tensor of this call (no graph: computed under no_grad)
+                else:
+                    p.grad.add_(g)
+    _accumulate(observed)
+
+
+def _hooked(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def _accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """One engine call from the parameters: AccumulateGrad adds each gradient (a parameter listed twice
     gets the sum, and its post-accumulate hook fires once)."""

@@ -1,9 +1,10 @@
 """``torch.compile``'d blocks under the split schedules, with nothing asked of the user.
 
-A stage's compiled regions keep their linears out of the graph (``runtime/compiled.py``), so the
-weight-gradient GEMMs still run in W, each compiled backward runs once (counted by a backend
-that wraps AOTAutograd's backward), the gradients equal eager, buffer donation is off (torch's
-own pipelining crashes on it under ZB-V and DualPipeV), and a second step compiles nothing new.
+A stage's compiled regions trace their linears as ``mt_dualpipe::linear`` (``runtime/linear_op.py``),
+so a region stays one graph, the weight-gradient GEMMs still run in W, each compiled backward runs
+once (counted by a backend that wraps AOTAutograd's backward), the gradients equal eager, buffer
+donation is off (torch's own pipelining crashes on it under ZB-V and DualPipeV), and a second step
+compiles nothing new.
 """
 
 from __future__ import annotations
@@ -102,10 +103,14 @@ def test_weight_gemms_run_in_w_and_each_compiled_backward_once(how):
             stage.backward(mb, [g], split=True)
             pieces = calls["backward"] - before
             assert all(w.grad is None for w in linears + norms) if mb == 0 else True  # nothing accumulated in B
+            queued = stage.store.closures_run
             stage.weight(mb)
+            assert stage.store.closures_run - queued == 4, "W ran the four linears' weight GEMMs"
             assert calls["backward"] == before + pieces  # W re-ran no compiled backward
             eager(x.detach().clone().requires_grad_()).backward(g)
-    assert pieces == forwards >= 2  # B ran each compiled piece's backward once
+    regions = 2 if how == "blocks" else 1
+    assert pieces == forwards == regions  # one graph per compiled region (no break at the linears), backward once
+    assert calls["graphs"] == 1  # the blocks share one graph, as they do without the split
     assert torch.allclose(stage.input_grads[1][0], _input_grad(eager, 1, g), rtol=0, atol=1e-13)
     for p, r in zip(mod.parameters(), eager.parameters()):
         assert torch.allclose(p.grad, r.grad, rtol=0, atol=1e-13)
@@ -119,9 +124,9 @@ def _input_grad(eager: nn.Module, mb: int, g: torch.Tensor) -> torch.Tensor:
 
 def test_the_linears_of_compiled_regions_are_kept_eager_once():
     mod = compile_blocks(TwoBlocks(), "blocks", "aot_eager")
-    assert compiled.keep_products_eager(mod) == 4
-    assert compiled.keep_products_eager(mod) == 0  # already done: nothing wrapped twice
-    assert compiled.keep_products_eager(TwoBlocks()) == 0  # nothing compiled, nothing touched
+    assert compiled.split_products(mod) == 4
+    assert compiled.split_products(mod) == 0  # already done: nothing wrapped twice
+    assert compiled.split_products(TwoBlocks()) == 0  # nothing compiled, nothing touched
 
 
 def _worker(rank: int, world: int, cases: list) -> list[dict]:
@@ -205,3 +210,22 @@ def test_inductor_compiled_blocks_match_eager_under_zbv_and_dualpipev():
                 for g, want in zip(grads, ref_grads[s]):
                     assert torch.allclose(g, want, rtol=1e-10, atol=1e-13), (sched.name, s)
             assert r["graphs_after_second_step"] == r["graphs"] > 0
+
+
+def test_a_split_linear_outside_a_pipeline_accumulates_once_and_fires_its_hook_once():
+    """With no store active (a fused BW, or no pipeline) the op's backward accumulates at once: the
+    gradients equal eager's, and a post-accumulate hook fires once per backward (the compiled node has
+    no autograd edge to the weight, so autograd does not run its AccumulateGrad empty-handed)."""
+    torch.manual_seed(0)
+    eager = TwoBlocks().double()
+    mod = compile_blocks(copy.deepcopy(eager), "blocks", "aot_eager")
+    assert compiled.split_products(mod) == 4
+    fired: list[int] = []
+    mod.blocks[0].a.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    for seed in range(2):
+        x = torch.randn(3, H, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        mod(x.clone().requires_grad_()).sum().backward()
+        eager(x.clone().requires_grad_()).sum().backward()
+    assert fired == [1, 1]
+    for p, r in zip(mod.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=1e-13)
