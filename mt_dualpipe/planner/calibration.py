@@ -1,6 +1,7 @@
 """The planner against published training runs: each run asked at its published layout.
 
-The runs live in ``benchmarks/data/published_runs.json`` (source, layout, the published figure and how a
+The runs live in ``mt_dualpipe/planner/data/published_runs.json``, package data (source, layout, the
+published figure and how a
 step time follows from it, and whether the row informed a constant of the model: ``tuned_on``; the
 others are held out). ``calibrate`` estimates each run with the unchanged planner (``estimate``) and
 returns the predicted and published step times and their ratio; ``benchmarks/planner_calibration.py``
@@ -27,7 +28,7 @@ from .estimate import Estimate, Strategy, estimate
 from .model import ModelSpec
 from .system import SystemSpec, load_system
 
-DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "published_runs.json"
+DATA = Path(__file__).resolve().parent / "data" / "published_runs.json"  # package data: installed with the wheel
 """The published runs (in the repository, next to the benchmark that prints them)."""
 TOLERANCE = 0.15
 """How far a prediction may be from the published figure (issue 31: every row within 15 %)."""

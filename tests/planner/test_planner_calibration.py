@@ -1,6 +1,6 @@
 """Issue 31, part 4: tensor parallelism's costs, the memory-bound term, per-precision GEMM efficiency and
 DualPipe's SM share, each checked against its formula; and the planner against published runs
-(``benchmarks/data/published_runs.json``, the table ``benchmarks/planner_calibration.py`` prints)."""
+(``mt_dualpipe/planner/data/published_runs.json``, the table ``benchmarks/planner_calibration.py`` prints)."""
 
 from __future__ import annotations
 
