@@ -23,7 +23,7 @@ _LAZY = {
 }
 
 
-SUBPACKAGES = ("cli", "integrations", "models", "parallel", "planner", "resilience", "runtime", "schedules",
+SUBPACKAGES = ("cli", "integrations", "layers", "models", "parallel", "planner", "resilience", "runtime", "schedules",
                "visualize")
 """Resolved on first use like the names above: ``mt_dualpipe.schedules`` loads no torch, ``runtime`` does."""
 

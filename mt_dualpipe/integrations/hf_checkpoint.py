@@ -258,23 +258,6 @@ def build_on_meta(factory: Callable[[], nn.Module], *, dtype: torch.dtype | None
     return module
 
 
-def rope_params(data: Mapping[str, Any]) -> tuple[float | None, str, dict[str, Any]]:
-    """(rope_theta, scaling type, its other fields) from a Hugging Face config.
-
-    Reads ``rope_scaling`` (the released configs) or ``rope_parameters`` (transformers 5); the type
-    is ``"default"`` when there is no scaling. Each model checks the type and fields it supports.
-    """
-    params = data.get("rope_parameters") or data.get("rope_scaling")
-    theta = data.get("rope_theta")
-    if not params:
-        return theta, "default", {}
-    params = dict(params)
-    theta = params.pop("rope_theta", theta)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    return theta, kind, params
-
-
 def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Give a module built on the meta device real (uninitialised) storage, non-persistent buffers zeroed:
     the loader overwrites every parameter and persistent buffer, so no init pass is wasted."""

@@ -14,6 +14,7 @@ from mt_dualpipe.integrations.llama import (
     LlamaConfig,
     LlamaForCausalLM,
     build_stages,
+    criterion_for,
     save_pipeline_checkpoint,
     stages_for_rank,
     sync_replicas,
@@ -163,3 +164,45 @@ def test_fp8_checkpoint_and_conversion(saved, tmp_path):
     with torch.no_grad():
         fp8_loss, ref = float(stages[1].criterion(stages[1](stages[0](x)), y)), float(model(x, y))
     assert fp8_loss != ref and abs(fp8_loss - ref) < 0.01 * ref  # FP8 GEMMs: close, not equal
+
+
+# ----- the step's global valid-target count, 2 gloo ranks ------------------------------------------------------
+def _normalized_worker(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) -> dict:
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.layers import step_normalizer
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    torch.set_num_threads(1)
+    config = LlamaConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double()
+    sched = build_schedule("dualpipev", world, 4)
+    mods = stages_for_rank(config, sched, rank, source=model)
+    for m in mods:
+        m.double()
+    pipe = Pipeline(mods, sched, timeout=120)
+    crit = criterion_for(mods, normalizer=step_normalizer(y))  # every rank holds the whole batch here
+    pipe.step(*([x] if rank == 0 else []), num_chunks=4, criterion=crit, labels=(y,) if rank == 0 else ())
+    return {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
+
+
+def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_token_mean():
+    """Micro-batches with 0, 4, 8 and 12 ignored targets under DualPipeV: pipelined gradients with
+    ``normalizer=step_normalizer(labels)`` equal one process's token mean over the whole batch."""
+    from tests.helpers.dist import run_ranks
+
+    config = LlamaConfig.preset("tiny")
+    t = torch.randint(0, config.vocab_size, (8, 9), generator=torch.Generator().manual_seed(5))
+    x, y = t[:, :-1], t[:, 1:].clone()
+    for m, part in enumerate(torch.tensor_split(y, 4)):
+        part.view(-1)[: 4 * m] = -100
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double()
+    model(x, y).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    for grads in run_ranks(_normalized_worker, 2, x, y, timeout=120):
+        for n, g in grads.items():
+            got[n] = got[n] + g if n in got else g
+    assert sorted(got) == sorted(want)
+    assert max(relative_error(got[n], want[n]) for n in got) < 1e-12

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mt_dualpipe.integrations.recompute import DeclaresRecompute
-from mt_dualpipe.models.layers import GQAttention, LocalDispatch, RopeSpec, SoftmaxTopKRouter, SwiGLUMLP, cos_sin
-from mt_dualpipe.models.layers import inv_freq as our_inv_freq
+from mt_dualpipe.layers import GQAttention, LocalDispatch, RopeSpec, SoftmaxTopKRouter, SwiGLUMLP, cos_sin
+from mt_dualpipe.layers import inv_freq as our_inv_freq
 from tests.helpers.hf_reference import float64_transformers, relative_error
 
 transformers = pytest.importorskip("transformers")
@@ -78,3 +78,20 @@ def test_layers_declare_recompute_regions():
     assert [t for _, _, t in mlp.recompute_regions("selective")] == ["swiglu"]
     assert list(attn.recompute_regions("full")) == [] and list(mlp.recompute_regions("none")) == []
     assert attn.saved_per_token("none", 32)["probs"] == 4 * 32 and "probs" not in attn.saved_per_token("selective", 32)
+
+
+def test_sync_replicas_sums_the_copies_of_a_name_on_this_rank():
+    """The family-neutral ``sync_replicas``: a V schedule's first and last stage both hold the tied
+    embedding; after it both gradients are the sum, other names untouched, a missing gradient counted as 0."""
+    from torch import nn
+
+    from mt_dualpipe.layers.replicas import sync_replicas
+
+    first, last = nn.ModuleDict({"embed": nn.Embedding(4, 3)}), nn.ModuleDict({"embed": nn.Embedding(4, 3),
+                                                                             "head": nn.Linear(3, 2)})
+    first.embed.weight.grad = torch.ones(4, 3)
+    last.embed.weight.grad = 2 * torch.ones(4, 3)
+    sync_replicas([first, last])
+    assert torch.equal(first.embed.weight.grad, 3 * torch.ones(4, 3))
+    assert torch.equal(last.embed.weight.grad, 3 * torch.ones(4, 3))
+    assert torch.equal(last.head.weight.grad, torch.zeros(2, 3))

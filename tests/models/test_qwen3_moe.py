@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
+from mt_dualpipe.layers import SoftmaxTopKRouter, saved_elements_per_token, step_normalizer
 from mt_dualpipe.models import from_pretrained
-from mt_dualpipe.models.layers import SoftmaxTopKRouter, saved_elements_per_token
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, criterion_for, stages_for_rank
 from mt_dualpipe.schedules import placements
 from tests.helpers import hf_reference
@@ -165,7 +165,15 @@ def batch(config: Qwen3MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, :-1], t[:, 1:]
 
 
-def _pipeline_worker(rank: int, world: int, schedule: str, policy: str) -> dict:
+def masked(y: torch.Tensor) -> torch.Tensor:
+    """Labels whose micro-batches hold different numbers of ignored (-100) targets: 0, 3, 6 and 9."""
+    y = y.clone()
+    for m, part in enumerate(torch.tensor_split(y, NUM_MB)):  # views of y's rows
+        part.view(-1)[: 3 * m] = -100
+    return y
+
+
+def _pipeline_worker(rank: int, world: int, schedule: str, policy: str, normalize: bool = False) -> dict:
     from mt_dualpipe import Pipeline
     from mt_dualpipe.schedules.registry import build_schedule
 
@@ -176,15 +184,43 @@ def _pipeline_worker(rank: int, world: int, schedule: str, policy: str) -> dict:
     model = Qwen3MoeForCausalLM(config).double()
     mods = stages_for_rank(config, sched, rank, source=model, dtype=torch.float64, recompute=policy)
     x, y = batch(config)
+    criterion = criterion_for(mods)
+    if normalize:  # every rank holds the whole batch here; a real loader would count its own labels
+        y = masked(y)
+        criterion = criterion_for(mods, normalizer=step_normalizer(y))
     pipe = Pipeline(mods, sched, timeout=120)
     first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
     last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
     pick = lambda t, c: torch.cat([torch.tensor_split(t, NUM_MB)[m] for m in sched.microbatches_of(c)])  # noqa: E731
     inputs = [pick(x, first[0])] if first else []
     labels = (pick(y, last[0]),) if last else ()
-    pipe.step(*inputs, num_chunks=NUM_MB, criterion=criterion_for(mods), labels=labels)
+    pipe.step(*inputs, num_chunks=NUM_MB, criterion=criterion, labels=labels)
     grads = {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
     return {"grads": grads, "closures": pipe.store.closures_run}
+
+
+def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_token_mean():
+    """Micro-batches with 0, 3, 6 and 9 ignored targets: with ``normalizer=step_normalizer(labels)`` the
+    pipelined gradients equal one process's token mean over the whole batch; the per-micro-batch mean
+    (summed over micro-batches, the default) does not."""
+    config = Qwen3MoeConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).double()
+    x, y = batch(config)
+    y = masked(y)
+    model(x, y).backward()  # one process, the whole batch: mean over its valid targets
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for xm, ym in zip(torch.tensor_split(x, NUM_MB), torch.tensor_split(y, NUM_MB)):
+        model(xm, ym).backward()  # what the pipeline computes without a normalizer
+    per_micro_batch = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    got: dict[str, torch.Tensor] = {}
+    for res in run_ranks(_pipeline_worker, 2, "zbv", "none", True, timeout=300):
+        for n, g in res["grads"].items():
+            got[n] = got[n] + g if n in got else g
+    assert sorted(got) == sorted(want)
+    assert max(relative_error(got[n], want[n]) for n in got) < 1e-12
+    assert max(relative_error(per_micro_batch[n], want[n]) for n in want) > 1e-3
 
 
 @pytest.mark.parametrize("schedule, policy", [("zbv", "none"), ("dualpipev", "none"), ("zbv", "selective")])

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..hf_checkpoint import check_fp8_quantization, rope_params
+from ...layers.rope import rope_params
+from ..hf_checkpoint import check_fp8_quantization
 from .yarn import YarnScaling
 
 if TYPE_CHECKING:  # config.py imports this module: the config class is a type hint here only

@@ -10,7 +10,7 @@
 FP8: ``build_stages(..., fp8=True)`` or ``convert_to_fp8(model)``.
 """
 
-from ..deepseek_v3.stages import sync_replicas
+from ...layers.replicas import sync_replicas
 from ..hf_checkpoint import save_pipeline_checkpoint
 from .config import Llama3RopeScaling, LlamaConfig
 from .model import LlamaForCausalLM, LlamaModel, llama3_inv_freq

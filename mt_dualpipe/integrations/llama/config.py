@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..hf_checkpoint import check_fp8_quantization, rope_params
+from ...layers.rope import rope_params
+from ..hf_checkpoint import check_fp8_quantization
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..deepseek_v3.mla import RMSNorm, apply_rope, compute_dtype
-from ..deepseek_v3.model import deferred_init
+from ...layers import RMSNorm, apply_rope, compute_dtype, deferred_init
+from ...layers.head import lm_loss as shared_lm_loss
 from .checkpoint import build_loaded, open_checkpoint, save_weights
 from .config import Llama3RopeScaling, LlamaConfig
 
@@ -128,9 +128,10 @@ class LlamaBody(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (``labels[:, i]`` is token i+1), in ``compute_dtype``."""
-    return F.cross_entropy(logits.flatten(0, 1).to(compute_dtype(logits)), labels.flatten())
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy (``labels[:, i]`` is token i+1) in ``compute_dtype``, -100 targets masked:
+    the mean, or the sum over ``normalizer`` (``layers.head.lm_loss``)."""
+    return shared_lm_loss(logits, labels, normalizer=normalizer)
 
 
 def init_llama(module: nn.Module, std: float) -> None:

@@ -2,7 +2,7 @@
 
 A stage holds a contiguous run of decoder layers; the first also the embedding, the last the final
 norm and the head (and, with tied embeddings, its own copy of ``model.embed_tokens``, whose gradient
-``deepseek_v3.sync_replicas`` sums with the first stage's, as it does for every replicated name).
+``layers.replicas.sync_replicas`` sums with the first stage's, as it does for every replicated name).
 Names are the full model's (= the checkpoint's), so ``build_stages(..., checkpoint=path)`` reads
 exactly a stage's tensors. Contract as for DeepSeek-V3: ``stage(x)`` -> hidden states, the last
 stage's ``criterion(hidden, labels)`` -> mean next-token loss.
@@ -10,6 +10,7 @@ stage's ``criterion(hidden, labels)`` -> mean next-token loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...layers import deferred_init
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ..compile import check_backend, compile_stage
-from ..deepseek_v3.model import deferred_init
 from ..fp8 import convert_to_fp8
 from ..recompute import apply_recompute, check_policy
 from .checkpoint import build_loaded, is_fp8_weight, open_checkpoint
@@ -76,11 +77,18 @@ class LlamaStage(nn.Module):
             x = layer(x)
         return x
 
-    def criterion(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def criterion(self, h: torch.Tensor, labels: torch.Tensor,
+                  normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's next-token loss: its mean, or with ``normalizer`` (``layers.step_normalizer``)
+        its sum over the step's valid-target count, so the micro-batches add up to the step's token mean."""
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        loss = self.loss_fn(F.linear(self.model.norm(h), weight), labels)
+        logits = F.linear(self.model.norm(h), weight)
+        if normalizer is None:
+            loss = self.loss_fn(logits, labels)
+        else:  # the sum (normalizer 1.0, a constant: a compiled loss_fn does not recompile per step), then divided
+            loss = self.loss_fn(logits, labels, normalizer=1.0) / normalizer
         self.loss_log.append(float(loss.detach()))
         return loss
 
@@ -166,7 +174,10 @@ def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Seque
     return build_stages(config, num, layout, indices=wanted, **kwargs)
 
 
-def criterion_for(stages: Sequence[LlamaStage]):
-    """The bound criterion of the last stage among this rank's stages, or None."""
+def criterion_for(stages: Sequence[LlamaStage], normalizer: float | torch.Tensor | None = None):
+    """The bound criterion of the last stage among this rank's stages, or None; with ``normalizer`` (the
+    step's valid-target count, ``layers.step_normalizer``) bound to it."""
     last = [st for st in stages if st.is_last]
-    return last[0].criterion if last else None
+    if not last:
+        return None
+    return last[0].criterion if normalizer is None else functools.partial(last[0].criterion, normalizer=normalizer)

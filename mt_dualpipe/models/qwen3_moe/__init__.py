@@ -5,7 +5,7 @@
     loss = pipe.step(tokens, criterion=criterion_for(mods), labels=(labels,), ...)
     save_pipeline_checkpoint(mods, path)                       # every rank; one HF checkpoint
 
-Composed only of ``mt_dualpipe.models.layers``; no other family is imported.
+Composed only of ``mt_dualpipe.layers``; no other family is imported.
 """
 
 from ...integrations.hf_checkpoint import save_pipeline_checkpoint

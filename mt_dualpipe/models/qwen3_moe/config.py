@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..layers.rope import RopeSpec
+from ...layers.rope import RopeSpec
 
 MODEL_TYPE = "qwen3_moe"
 

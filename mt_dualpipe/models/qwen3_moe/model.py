@@ -1,6 +1,6 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM`` in transformers): GQA with per-head q/k RMSNorm, softmax top-k MoE.
 
-Composed only of ``models.layers``. Module names are transformers' (``model.layers.3.mlp.experts.7.up_proj``,
+Composed only of ``mt_dualpipe.layers``. Module names are transformers' (``model.layers.3.mlp.experts.7.up_proj``,
 ``model.layers.3.mlp.gate.weight``), so a state-dict key is the checkpoint name and the loader needs
 no mapping.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers import (
+from ...layers import (
     GQAttention,
     LocalDispatch,
     MoEBlock,

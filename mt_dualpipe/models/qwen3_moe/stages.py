@@ -10,6 +10,7 @@ for the other families: ``stage(x)`` -> hidden states, the last stage's ``criter
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...integrations.recompute import apply_recompute, check_policy
+from ...layers import deferred_init, lm_head, lm_loss, logits
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
-from ..layers import deferred_init, lm_head, lm_loss, logits
 from .checkpoint import build_loaded, open_checkpoint
 from .config import Qwen3MoeConfig
 from .model import Qwen3MoeBody, init_qwen3_moe
@@ -75,11 +76,14 @@ class Qwen3MoeStage(nn.Module):
             x = layer(x)
         return x
 
-    def criterion(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def criterion(self, h: torch.Tensor, labels: torch.Tensor,
+                  normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's next-token loss: its mean, or with ``normalizer`` (``layers.step_normalizer``)
+        its sum over the step's valid-target count, so the micro-batches add up to the step's token mean."""
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        loss = lm_loss(logits(self.model.norm(h), weight), labels)
+        loss = lm_loss(logits(self.model.norm(h), weight), labels, normalizer=normalizer)
         self.loss_log.append(float(loss.detach()))
         return loss
 
@@ -137,7 +141,10 @@ def stages_for_rank(config: Qwen3MoeConfig, schedule: Any, rank: int, layout: Se
     return build_stages(config, num, layout, indices=wanted, **kwargs)
 
 
-def criterion_for(stages: Sequence[Qwen3MoeStage]):
-    """The bound criterion of the last stage among this rank's stages, or None."""
+def criterion_for(stages: Sequence[Qwen3MoeStage], normalizer: float | torch.Tensor | None = None):
+    """The bound criterion of the last stage among this rank's stages, or None; with ``normalizer`` (the
+    step's valid-target count, ``layers.step_normalizer``) bound to it."""
     last = [st for st in stages if st.is_last]
-    return last[0].criterion if last else None
+    if not last:
+        return None
+    return last[0].criterion if normalizer is None else functools.partial(last[0].criterion, normalizer=normalizer)

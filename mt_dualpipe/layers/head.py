@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...parallel.device import collective_device
+from ..parallel.device import collective_device
 from .common import compute_dtype
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel.weight_kinds import set_weight_kind
+from ..parallel.weight_kinds import set_weight_kind
 from .expert_parallel import EPDispatch, ep_size, local_expert_ids
 from .mlp import SwiGLUMLP
 from .router import Router, Routing

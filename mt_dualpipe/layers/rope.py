@@ -1,5 +1,6 @@
 """Rotary position embedding: plain, Llama-3 scaling and YaRN, read from a Hugging Face config.
 
+``rope_params`` reads theta and the scaling from a config dict (both families' config readers use it);
 ``RopeSpec`` is the config piece (theta, scaling kind and its fields); ``inv_freq`` the per-pair
 frequencies; ``cos_sin`` the (seq, dim/2) tables in ``compute_dtype`` (YaRN's ``attention_factor``
 folded in); ``apply_rope`` rotates the two halves of each head (transformers' ``rotate_half``
@@ -9,12 +10,29 @@ layout) or, with ``interleave``, adjacent pairs (the released DeepSeek-V3 layout
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...integrations.hf_checkpoint import rope_params
+
+def rope_params(data: Mapping[str, Any]) -> tuple[float | None, str, dict[str, Any]]:
+    """(rope_theta, scaling type, its other fields) from a Hugging Face config.
+
+    Reads ``rope_scaling`` (the released configs) or ``rope_parameters`` (transformers 5); the type
+    is ``"default"`` when there is no scaling. Each model checks the type and fields it supports.
+    """
+    params = data.get("rope_parameters") or data.get("rope_scaling")
+    theta = data.get("rope_theta")
+    if not params:
+        return theta, "default", {}
+    params = dict(params)
+    theta = params.pop("rope_theta", theta)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    return theta, kind, params
+
 
 KINDS = ("default", "llama3", "yarn")
 
