@@ -252,3 +252,47 @@ def two_ranks():
         return [res[name][1] for res in per_rank]
 
     return part
+
+
+# ----- the step's valid-target counts --------------------------------------------------------------------------
+def _normalized_worker(rank, world, x, y):
+    from mt_dualpipe import DualPipeV
+    from mt_dualpipe.integrations.deepseek_v3 import step_normalizers
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    config = small_config(balance_loss_weight=0.0)  # the sequence-wise balance loss is a per-micro-batch mean
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    sched = build_schedule("dualpipev", world, 4)
+    mods = stages_for_rank(config, sched, rank, source=model)
+    pipe = DualPipeV(tuple(mods), timeout=60)
+    crit = criterion_for(mods, normalizer=step_normalizers(y, config.mtp_depth))  # every rank holds the batch here
+    pipe.step(*([x] if rank == 0 else []), num_chunks=4, criterion=crit, labels=(y,) if rank == 0 else ())
+    return {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
+
+
+def test_step_normalizers_make_pipelined_gradients_equal_the_whole_batch_token_means():
+    """Micro-batches with 0, 5, 10 and 15 ignored targets: with ``step_normalizers`` (main loss and each MTP
+    depth over its own valid targets) DualPipeV's gradients equal one process's token means over the
+    whole batch; summing per-micro-batch means (the default) does not."""
+    config = small_config(balance_loss_weight=0.0)
+    x, y = make_batch(config, 8, 16, seed=77)
+    y = y.clone()
+    for m, part in enumerate(torch.tensor_split(y, 4)):
+        part.view(-1)[: 5 * m] = -100
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    model(x, y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+        model(xm, ym).backward()
+    per_micro_batch = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    got: dict = {}
+    for grads in run_ranks(_normalized_worker, 2, x, y, timeout=120):
+        for n, g in grads.items():
+            got[n] = got[n] + g if n in got else g
+    assert sorted(got) == sorted(want)
+    for n in got:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert max(float((per_micro_batch[n] - want[n]).abs().max() / want[n].abs().max()) for n in want) > 1e-2

@@ -28,7 +28,15 @@ from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoin
 from .config import DeepSeekV3Config
 from .expert_parallel import fresh_mesh_group, mesh_ep_group
 from .layout import parse_layout, stage_layer_ids
-from .model import Block, DeepSeekV3Model, LossParts, MTPModule, expert_load_names, language_model_losses
+from .model import (
+    Block,
+    DeepSeekV3Model,
+    LossParts,
+    MTPModule,
+    expert_load_names,
+    language_model_losses,
+    step_normalizers,
+)
 from .moe import MoE, dropped_fraction, mark_expert_weights, max_violation, set_aux_loss_scale, update_expert_bias
 from .stages import (
     DeepSeekV3Stage,
@@ -49,6 +57,6 @@ __all__ = [
     "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
     "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
     "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "stage_layer_ids", "stages_for_rank",
-    "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint", "CheckpointError",
-    "YarnScaling", "save_pipeline_checkpoint",
+    "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
+    "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",
 ]

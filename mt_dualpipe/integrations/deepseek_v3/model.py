@@ -7,7 +7,7 @@ from this model by state-dict key, so a stage's parameter names are a subset of 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...layers.head import step_normalizer
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
 from .config import DeepSeekV3Config
@@ -88,30 +89,48 @@ class MTPModule(nn.Module):
         return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
 
 
+def _ce(logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
+    """float32 cross-entropy, -100 targets masked: the mean, or the sum over ``normalizer``."""
+    if normalizer is None:
+        return F.cross_entropy(logits.float(), target)
+    return F.cross_entropy(logits.float(), target, reduction="sum") / normalizer
+
+
 class _CrossEntropy(torch.autograd.Function):
-    """``F.cross_entropy(logits.float(), target)`` keeping the logits as given (the ``"loss"`` saver): eager
-    autograd keeps the float32 log-softmax (vocab × 4 bytes per token); B rebuilds it from the logits
-    and differentiates the same ops, so the gradient is bit-equal."""
+    """``_ce`` keeping the logits as given (the ``"loss"`` saver): eager autograd keeps the float32
+    log-softmax (vocab × 4 bytes per token); B rebuilds it from the logits and differentiates the same
+    ops, so the gradient is bit-equal."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
         ctx.save_for_backward(logits, target)
-        return F.cross_entropy(logits.float(), target)
+        ctx.normalizer = normalizer
+        return _ce(logits, target, normalizer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, target = ctx.saved_tensors
         with torch.enable_grad():
             leaf = logits.detach().requires_grad_()
-            loss = F.cross_entropy(leaf.float(), target)
-        return torch.autograd.grad(loss, leaf, grad)[0], None
+            loss = _ce(leaf, target, ctx.normalizer)
+        return torch.autograd.grad(loss, leaf, grad)[0], None, None
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False) -> torch.Tensor:
-    """Mean next-token loss in float32; ``keep_logits``: through ``_CrossEntropy`` (the ``"loss"`` saver)."""
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
+                  normalizer: float | None = None) -> torch.Tensor:
+    """Next-token loss in float32 (mean, or sum over ``normalizer``); ``keep_logits``: through
+    ``_CrossEntropy`` (the ``"loss"`` saver)."""
     if keep_logits and torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropy.apply(logits, target)
-    return F.cross_entropy(logits.float(), target)
+        return _CrossEntropy.apply(logits, target, normalizer)
+    return _ce(logits, target, normalizer)
+
+
+def step_normalizers(labels: torch.Tensor, mtp_depth: int, group: dist.ProcessGroup | None = None,
+                     replicas: int = 1) -> tuple[float, ...]:
+    """The valid-target counts that make a step's micro-batch losses sum to its token means: the main
+    loss's (every label) and each MTP depth k's (``labels[:, k:]``, the targets depth k predicts), over
+    the step's ``labels`` (and ``group``'s; ``replicas`` as in ``layers.step_normalizer``)."""
+    return tuple(step_normalizer(labels[:, k:], group=group, replicas=replicas) for k in range(mtp_depth + 1))
 
 
 class LossParts(NamedTuple):
@@ -121,8 +140,13 @@ class LossParts(NamedTuple):
 
 
 def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Embedding, norm: nn.Module,
-                          head: nn.Linear, mtp: nn.ModuleList, config: DeepSeekV3Config) -> LossParts:
+                          head: nn.Linear, mtp: nn.ModuleList, config: DeepSeekV3Config,
+                          normalizer: Sequence[float] | None = None) -> LossParts:
     """Next-token loss on h plus the MTP losses; ``labels[:, i]`` is token i+1.
+
+    ``normalizer`` None: each loss is the mean over this call's targets. Otherwise one count per loss
+    (main, then depth 1..D: ``step_normalizers``), each loss the sum over its count, so the
+    micro-batches of a step add up to the step's token means (masked targets spread unevenly).
 
     Depth k sees positions 0..T-k-1: it combines h^{k-1}_i with Emb(t_{i+k}) = Emb(labels[:, i+k-1])
     and predicts t_{i+k+1} = labels[:, i+k]. h^0 is the main model's normed output ``norm(h)`` and
@@ -132,15 +156,23 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     if len(mtp) >= seq:
         raise ValueError(f"sequence length {seq} must exceed the MTP depth {len(mtp)}")
     keep = config.saves("loss")
+    if normalizer is not None and len(normalizer) != len(mtp) + 1:
+        raise ValueError(f"normalizer needs {len(mtp) + 1} counts (main loss and {len(mtp)} MTP depths: "
+                         f"step_normalizers(labels, {len(mtp)})), got {len(normalizer)}")
+    counts = list(normalizer) if normalizer is not None else [None] * (len(mtp) + 1)
+    # MTP embeds the next tokens, which the last stage knows only as labels; a masked (-100) label's token
+    # is unknown here and is embedded as token 0 (its own loss is masked; only the prediction right
+    # after it sees the stand-in)
+    tokens = labels.clamp(min=0) if mtp else labels
     prev = norm(h)
     logits = head(prev)
-    main = cross_entropy(logits.flatten(0, 1), labels.flatten(), keep)
+    main = cross_entropy(logits.flatten(0, 1), labels.flatten(), keep, counts[0])
     mtp_losses = []
     for k, module in enumerate(mtp, start=1):
         n = seq - k
-        prev = module.norm(module(prev[:, :n], embed(labels[:, k - 1:k - 1 + n])))
+        prev = module.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n])))
         logits_k = head(prev)
-        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), labels[:, k:k + n].flatten(), keep))
+        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), labels[:, k:k + n].flatten(), keep, counts[k]))
     total = main
     if mtp_losses:
         total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()

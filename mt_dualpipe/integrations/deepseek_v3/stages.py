@@ -25,6 +25,7 @@ results as ``nn.Linear``; the single-process ``DeepSeekV3Model`` stays plain.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,15 +152,17 @@ class DeepSeekV3Stage(nn.Module):
         return [x]
 
     # ----- loss (last stage) -----------------------------------------------------------------------
-    def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
+    def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None) -> LossParts:
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         return language_model_losses(h, labels, embed=getattr(self, "embed", None), norm=self.norm, head=self.head,
-                                     mtp=self.mtp, config=self.config)
+                                     mtp=self.mtp, config=self.config, normalizer=normalizer)
 
-    def criterion(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The runtime's ``criterion(*outputs, *labels)``: main + λ·MTP loss; logs the parts."""
-        parts = self.losses(h, labels)
+    def criterion(self, h: torch.Tensor, labels: torch.Tensor,
+                  normalizer: Sequence[float] | None = None) -> torch.Tensor:
+        """The runtime's ``criterion(*outputs, *labels)``: main + λ·MTP loss; logs the parts. ``normalizer``
+        (``model.step_normalizers``): each loss summed over the step's count of its valid targets."""
+        parts = self.losses(h, labels, normalizer)
         self.loss_log.append((float(parts.main.detach()), [float(m.detach()) for m in parts.mtp]))
         return parts.total
 
@@ -291,10 +294,13 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
                         compile=compile)
 
 
-def criterion_for(stages: Sequence[DeepSeekV3Stage]):
-    """The bound criterion of the last stage among this rank's stages, or None if it has none."""
+def criterion_for(stages: Sequence[DeepSeekV3Stage], normalizer: Sequence[float] | None = None):
+    """The bound criterion of the last stage among this rank's stages, or None if it has none; with
+    ``normalizer`` (``model.step_normalizers(labels, config.mtp_depth)``) bound to it."""
     last = [st for st in stages if st.is_last]
-    return last[0].criterion if last else None
+    if not last:
+        return None
+    return last[0].criterion if normalizer is None else functools.partial(last[0].criterion, normalizer=normalizer)
 
 
 # ----- replicas: mirrored stages, the MTP embedding copy, data/expert-parallel copies -------------------
