@@ -20,9 +20,11 @@ from ..parallel.device import collective_device
 def parameter_grads(modules: Sequence[nn.Module]) -> dict[str, list[torch.Tensor]]:
     """Every trainable parameter's gradient by name (a missing one becomes zeros, so it can be summed into)."""
     out: dict[str, list[torch.Tensor]] = {}
+    seen: set[int] = set()  # a parameter that two stages share is one copy
     for m in modules:
         for name, p in m.named_parameters():
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 out.setdefault(name, []).append(p.grad)

@@ -334,3 +334,30 @@ def test_a_gate_built_on_its_own_is_initialised():
         w = MoE(config).gate.weight.detach()
         assert torch.isfinite(w).all() and w.std() > 0
         assert w.abs().max() <= 1 / config.dim ** 0.5  # nn.Linear's default bound
+
+
+def test_mtp_shares_the_embedding_on_the_rank_that_holds_first_and_last_stage():
+    """DualPipeV puts stage 0 (the embedding) and stage 2P-1 (MTP's embedding input) on rank 0: one
+    ``nn.Embedding`` there, whose gradient is the sum of both uses (= the single model's); rank 1 holds
+    none; with ``share_embedding=False`` the copies stay separate (tied by the runtime)."""
+    from mt_dualpipe.integrations.deepseek_v3 import stages_for_rank
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    config = small_config(balance_loss_weight=0.0)
+    torch.manual_seed(0)
+    model = DeepSeekV3Model(config)
+    sched = build_schedule("dualpipev", 2, 4)
+    rank0 = stages_for_rank(config, sched, 0, source=model)
+    rank1 = stages_for_rank(config, sched, 1, source=model)
+    assert [st.index for st in rank0] == [0, 3] and rank0[0].embed is rank0[1].embed
+    assert sum(p.numel() for p in {id(p): p for st in rank0 for p in st.parameters()}.values()) < \
+        sum(p.numel() for st in stages_for_rank(config, sched, 0, source=model, share_embedding=False)
+            for p in st.parameters())
+    by_index = {st.index: st for st in rank0 + rank1}
+    x, y = make_batch(config, 2, 16)
+    model(x, y).backward()
+    h = x
+    for i in range(4):
+        h = by_index[i](h)
+    by_index[3].criterion(h, y).backward()
+    torch.testing.assert_close(rank0[0].embed.weight.grad, model.embed.weight.grad, rtol=1e-5, atol=1e-7)

@@ -43,6 +43,7 @@ from .stages import (
     build_stages,
     criterion_for,
     dualpipe_stage_ids,
+    share_local_embedding,
     stages_for_rank,
     sync_expert_load,
     sync_replicas,
@@ -56,7 +57,8 @@ __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
     "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
     "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
-    "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "stage_layer_ids", "stages_for_rank",
+    "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
+    "stages_for_rank",
     "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
     "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",
 ]

@@ -1,12 +1,14 @@
 """DeepSeek-V3 cut into pipeline stages, and which stages each rank runs.
 
 A stage holds a contiguous run of blocks; the first also holds the embedding, the last the final
-norm, the output head and the MTP modules (plus its own copy of the embedding, which MTP shares).
+norm, the output head and the MTP modules (plus the embedding MTP reads: on a rank that also holds the
+first stage, ``stages_for_rank`` makes the two one module, ``share_local_embedding``; elsewhere a copy).
 Parameter names are the full model's, so ``load_from`` copies weights by key.
 
 Replicas of one weight, and who sums them: a stage that holds the embedding declares
 ``tied_parameters = ("embed.weight",)``; any ``Pipeline`` over these stages then sums every copy of
-that weight (first and last stage, on any rank) and DualPipe's mirrored stage copies once per
+that weight (first and last stage, on any rank; a parameter two local stages share counts once) and
+DualPipe's mirrored stage copies once per
 step, and with ``mesh=`` also averages the data/expert-parallel replicas in the same pass (routed
 experts are weight kind "expert": reduced over dp only, ``moe.mark_expert_weights``).
 ``sync_expert_load`` sums the routed-token counts the auxiliary-loss-free bias update reads, over
@@ -84,8 +86,9 @@ class DeepSeekV3Stage(nn.Module):
         init_weights(self, config.init_std)
         if defer_weight_grads:
             _defer_weight_grads(self)
-        # The MTP modules read the main embedding: the first and the last stage each hold a copy of that one
-        # weight (the pipeline sums their gradients). The head lives on the last stage only: nothing else is tied.
+        # The MTP modules read the main embedding: the first and the last stage each hold it (one module when
+        # both are on one rank: share_local_embedding; else copies whose gradients the pipeline sums). The head
+        # lives on the last stage only: nothing else is tied.
         self.tied_parameters: tuple[str, ...] = ("embed.weight",) if hasattr(self, "embed") else ()
 
     def extra_repr(self) -> str:
@@ -272,9 +275,13 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
                     *, source: DeepSeekV3Model | None = None,
                     ep_group: dist.ProcessGroup | None = None, mesh: Any = None,
                     defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False,
-                    recompute: str = "none", compile: bool | str = False) -> list[DeepSeekV3Stage]:
+                    recompute: str = "none", compile: bool | str = False,
+                    share_embedding: bool = True) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
+    ``share_embedding``: where this rank holds both the first stage and the last (DualPipe, DualPipeV,
+    ZB-V: rank 0), MTP reads the main embedding itself (``share_local_embedding``), one parameter, as the
+    DeepSeek-V3 report has it; pass False when each stage is wrapped with ``fully_shard`` on its own.
     ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost).
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
     (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
@@ -289,9 +296,31 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
     if layout is None:
         layout = balanced_layout(config, schedule.placement)
     wanted = [s for _, s in schedule.local_stages(rank)]
-    return build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
-                        defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute,
-                        compile=compile)
+    stages = build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
+                          defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute,
+                          compile=compile)
+    if share_embedding:
+        share_local_embedding(stages)
+    return stages
+
+
+def share_local_embedding(stages: Sequence[DeepSeekV3Stage]) -> int:
+    """Make every local stage that holds the embedding (the first stage's, the last stage's MTP input)
+    use one ``nn.Embedding``: one parameter, whose gradient autograd sums over both uses, counted once in
+    memory (the DeepSeek-V3 report shares it physically between the main model and MTP). Copies whose
+    values differ (a checkpoint whose MTP embedding is not the main one) are left as they are, tied by
+    the runtime. Returns how many copies now share. The runtime's tie of ``embed.weight`` with other
+    ranks' copies counts a shared parameter once (``TiedSync``)."""
+    holders = [st for st in stages if hasattr(st, "embed")]
+    shared = 0
+    for st in holders[1:]:
+        one = holders[0].embed
+        if st.embed is one:
+            continue
+        if st.embed.weight.shape == one.weight.shape and torch.equal(st.embed.weight.detach(), one.weight.detach()):
+            st.embed = one
+            shared += 1
+    return shared
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage], normalizer: Sequence[float] | None = None):
@@ -306,10 +335,12 @@ def criterion_for(stages: Sequence[DeepSeekV3Stage], normalizer: Sequence[float]
 # ----- replicas: mirrored stages, the MTP embedding copy, data/expert-parallel copies -------------------
 def _local_tensors(modules: Sequence[nn.Module], what: str) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
+    seen: set[int] = set()  # a parameter two local stages share (the embedding) is one copy
     for m in modules:
         if what == "grads":
             for name, p in m.named_parameters():
-                if p.requires_grad:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     out.setdefault(name, []).append(p.grad)
