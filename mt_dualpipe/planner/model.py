@@ -45,7 +45,7 @@ from .activations import (
 
 MODELS_DIR = Path(__file__).parent / "models"
 MODEL_ALIASES = {"deepseek-v3": "deepseek_v3_671b", "deepseek-v3-671b": "deepseek_v3_671b",
-                 "deepseek_v3": "deepseek_v3_671b"}
+                 "deepseek_v3": "deepseek_v3_671b", "qwen3-30b-a3b": "qwen3_30b_a3b", "qwen3-moe": "qwen3_30b_a3b"}
 ALIASES = {
     # Megatron-LM argument names
     "num_layers": "layer_num", "ffn_hidden_size": "intermediate_size", "num_attention_heads": "head_num",
