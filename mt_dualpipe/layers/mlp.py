@@ -28,10 +28,11 @@ class SwiGLUMLP(nn.Module):
             yield self, "act", "swiglu"
 
     def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
-        """Per routed row for an expert: the input, gate and up outputs, and (unless recomputed) silu(gate)
-        and the product (the down-projection's input)."""
+        """Per routed row for an expert: the input, gate and up outputs, the product (the down-projection
+        keeps its input whether or not the activation is recomputed) and, unless ``"selective"``
+        recomputes the activation, silu(gate)."""
         if policy == "full":
             return {}
         i = self.gate_proj.out_features
-        kept = {"input": self.gate_proj.in_features, "gate": i, "up": i}
-        return kept if policy == "selective" else {**kept, "silu_gate": i, "product": i}
+        kept = {"input": self.gate_proj.in_features, "gate": i, "up": i, "product": i}
+        return kept if policy == "selective" else {**kept, "silu_gate": i}

@@ -21,6 +21,7 @@ backward per token. The formulas count GEMM shapes; they reproduce DeepSeek-V3's
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
@@ -136,12 +137,17 @@ class ModelSpec:
     max_routed_nodes: int = 0
     training: dict = field(default_factory=dict)
     source: str = ""  # the file (or bundled model) it was read from, for titles and messages
+    # A family's own account of what its layers keep: (kind "dense"/"moe", recompute policy, seq) -> saved
+    # elements per token, from the modules' ``saved_per_token`` declarations (``mt_dualpipe/layers``).
+    # When given it replaces ``planner/activations.py``'s description of the layer's saved bytes, so the
+    # planner counts what the runtime's modules declare (the Qwen3-MoE family's ``spec.py`` sets it).
+    declared_saved: Callable[[str, str, int], float] | None = field(default=None, compare=False)
 
     # ----- loading --------------------------------------------------------------------------------
     @classmethod
     def fields(cls) -> list[str]:
         """The model keys a description may give (SimuMax's names), besides ``DESCRIPTIVE_KEYS``."""
-        return [f for f in cls.__dataclass_fields__ if f not in ("name", "source")]
+        return [f for f in cls.__dataclass_fields__ if f not in ("name", "source", "declared_saved")]
 
     @classmethod
     def canonical(cls, data: dict, where: str = "model description") -> dict:
@@ -307,6 +313,8 @@ class ModelSpec:
                                    product_recomputed=not mla and recompute == "selective", up_readers=up_readers)
             params, moe = (attn_p + self.mlp_params(self.intermediate_size) + h, 0.0), False
             w_held += dense_ffn_w_held(h, self.intermediate_size, t, up_readers)
+        if self.declared_saved is not None:  # the family's modules say what they keep (elements, model dtype)
+            act = self.declared_saved("moe" if moe else "dense", recompute, seq_len) * elem
         re_mm, re_attn = 0.0, 0.0
         if recompute == "full":  # everything but the router (the all-to-alls are not compute)
             re_mm, re_attn = attn_mm + mm - router, attn_core

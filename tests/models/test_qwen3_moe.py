@@ -352,3 +352,28 @@ def test_declared_saved_bytes_are_within_15_percent_of_what_autograd_keeps(moe, 
         layer(x)
     declared = (saved_elements_per_token(layer, policy, s) + (64 if policy == "full" else 0)) * b * s * 4
     assert abs(declared / meter.peak - 1) < 0.15, (declared, meter.peak)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_planner_counts_what_the_layers_declare_and_autograd_keeps(moe, policy):
+    """The planner's saved bytes per token of a Qwen3-MoE layer come from the modules' declarations
+    (``spec.declared_saved``), not a separate description; against what autograd keeps (the meter),
+    float32, sequence 64: within 10 %."""
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
+    from mt_dualpipe.models.qwen3_moe import Qwen3MoeDecoderLayer
+    from mt_dualpipe.models.qwen3_moe.spec import planner_spec
+
+    config = Qwen3MoeConfig.preset("tiny", hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
+                                   num_experts=8, head_dim=16)
+    b, s, index = 2, 64, 1 if moe else 0
+    planned = planner_spec(config).layer_item(index, s, 4.0, policy, elem=4.0).act_bytes * b * s
+    torch.manual_seed(0)
+    layer = Qwen3MoeDecoderLayer(config, index)
+    apply_recompute(layer, policy)
+    x = torch.randn(b, s, 64, requires_grad=True)
+    meter = SavedActivationMeter(exclude=list(layer.parameters()))
+    with meter.measure():
+        layer(x)
+    print(f"{'moe' if moe else 'dense'} {policy}: planner {planned:.0f} B, autograd {meter.peak} B")
+    assert abs(planned / meter.peak - 1) < 0.10, (planned, meter.peak)
