@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...layers.rope import apply_rope
 from ..fp8.linear import FP8Linear
 from ..fp8.quantize import quantize_tiles
 from .config import DeepSeekV3Config
@@ -146,21 +147,6 @@ def rope_angles(seq_len: int, dim: int, theta: float, device: torch.device, dtyp
     if factor == 1.0:
         return angles.cos(), angles.sin()
     return angles.cos() * factor, angles.sin() * factor
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
-    """Rotate pairs of the last dim in cos/sin's dtype; x is (batch, seq, heads, dim). ``interleave``:
-    the pairs are (x[2i], x[2i+1]) (the released DeepSeek-V3 layout), else (x[i], x[i + dim/2])."""
-    y = x.to(cos.dtype)
-    if interleave:
-        pairs = y.unflatten(-1, (-1, 2))
-        x0, x1 = pairs[..., 0], pairs[..., 1]
-    else:
-        x0, x1 = y.chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    out = torch.stack((r0, r1), dim=-1).flatten(-2) if interleave else torch.cat((r0, r1), dim=-1)
-    return out.type_as(x)
 
 
 class MLA(nn.Module):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...layers.common import deferred_init
 from ...layers.head import step_normalizer
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
@@ -184,18 +184,6 @@ def init_weights(module: nn.Module, std: float) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
             nn.init.normal_(m.weight, 0.0, std)
-
-
-@contextmanager
-def deferred_init() -> Iterator[None]:
-    """Skip nn.Linear / nn.Embedding default init while building: ``init_weights`` overwrites it anyway,
-    and on the meta device the 671B model then builds in seconds instead of a minute."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 class DeepSeekV3Model(nn.Module):

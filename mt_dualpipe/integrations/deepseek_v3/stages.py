@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...layers.replicas import sum_copies
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
@@ -398,38 +399,4 @@ def sync_replicas(modules: Sequence[nn.Module], group: dist.ProcessGroup | None 
     expert-parallel replicas); ``what="load"`` before ``update_expert_bias``. Without a process
     group only this rank's copies are summed. Every rank of ``group`` must call it.
     """
-    local = _local_tensors(modules, what)
-    for copies in local.values():  # copies on this rank first (e.g. V: embedding in stages 0 and 2P-1)
-        if len(copies) > 1:
-            total = copies[0].clone()
-            for t in copies[1:]:
-                total += t
-            for t in copies:
-                t.copy_(total)
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    names = sorted(local)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, {n: local[n][0].numel() for n in names}, group=group)
-    holders: dict[str, int] = {}
-    sizes: dict[str, int] = {}
-    for got in gathered:
-        for n, k in got.items():
-            holders[n] = holders.get(n, 0) + 1
-            sizes[n] = k
-    shared = sorted(n for n, c in holders.items() if c > 1)
-    if not shared:
-        return
-    ref = next(iter(local.values()))[0] if local else torch.zeros(0)
-    flat = torch.zeros(sum(sizes[n] for n in shared), dtype=ref.dtype, device=ref.device)
-    offsets, pos = {}, 0
-    for n in shared:
-        offsets[n] = pos
-        pos += sizes[n]
-        if n in local:
-            flat[offsets[n]:pos] = local[n][0].flatten()
-    dist.all_reduce(flat, group=group)
-    for n in shared:
-        if n in local:
-            for t in local[n]:
-                t.copy_(flat[offsets[n]:offsets[n] + sizes[n]].view_as(t))
+    sum_copies(_local_tensors(modules, what), group)
