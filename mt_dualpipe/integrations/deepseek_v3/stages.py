@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layers.replicas import sum_copies
+from ...layers.replicas import parameter_grads, sum_copies
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
@@ -335,22 +335,15 @@ def criterion_for(stages: Sequence[DeepSeekV3Stage], normalizer: Sequence[float]
 
 # ----- replicas: mirrored stages, the MTP embedding copy, data/expert-parallel copies -------------------
 def _local_tensors(modules: Sequence[nn.Module], what: str) -> dict[str, list[torch.Tensor]]:
+    if what == "grads":  # a parameter two local stages share (the embedding) is one copy
+        return parameter_grads(modules)
+    if what != "load":
+        raise ValueError(f"what must be 'grads' or 'load', got {what!r}")
     out: dict[str, list[torch.Tensor]] = {}
-    seen: set[int] = set()  # a parameter two local stages share (the embedding) is one copy
     for m in modules:
-        if what == "grads":
-            for name, p in m.named_parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    out.setdefault(name, []).append(p.grad)
-        elif what == "load":
-            for name, b in m.named_buffers():
-                if name.endswith("gate.load"):
-                    out.setdefault(name, []).append(b)
-        else:
-            raise ValueError(f"what must be 'grads' or 'load', got {what!r}")
+        for name, b in m.named_buffers():
+            if name.endswith("gate.load"):
+                out.setdefault(name, []).append(b)
     return out
 
 
