@@ -1,11 +1,11 @@
 """The planner against published training runs: each run asked at its published layout.
 
 The runs live in ``mt_dualpipe/planner/data/published_runs.json``, package data (source, layout, the
-published figure and how a
-step time follows from it, and whether the row informed a constant of the model: ``tuned_on``; the
-others are held out). ``calibrate`` estimates each run with the unchanged planner (``estimate``) and
-returns the predicted and published step times and their ratio; ``benchmarks/planner_calibration.py``
-prints them and ``tests/planner/test_planner_calibration.py`` keeps every row within ``TOLERANCE``.
+published figure and how a step time follows from it, and whether the row informed a constant of the
+model: ``tuned_on``; the others are held out). ``calibrate`` estimates each run with the unchanged
+planner (``estimate``) and returns the predicted and published step times and their ratio;
+``benchmarks/planner_calibration.py`` prints them and ``tests/planner/test_planner_calibration.py``
+keeps every row within ``TOLERANCE``.
 
 A run that publishes achieved TFLOPs per GPU rather than hours (Llama 3) gets its published step time
 from the planner's own FLOP count: ``model FLOPs per step / (gpus x published TFLOP/s)``, so the ratio
