@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..models.planner_specs import PLANNER_MODELS, planner_model
 from ..planner import ModelSpec, plan
 from ..planner.activations import memory_savers
 from ..planner.report import print_plan
@@ -38,9 +39,10 @@ def register(subparsers) -> None:
                     "allreduce (--zero 0), zero1 (--zero 1) or fsdp (--zero 3, without expert parallelism or "
                     "weights tied across stages), tp 1 (--tp sizes are estimated, Megatron-style with sequence "
                     "parallelism, and marked). Unrunnable ones are marked, not hidden, unless --runnable-only.")
-    p.add_argument("--model", required=True, help="deepseek-v3, or a model JSON in SimuMax's layout (Megatron and "
-                   "Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is "
-                   "an error)")
+    p.add_argument("--model", required=True, help="deepseek-v3; a family preset whose saved bytes come from its "
+                   f"modules' declarations ({', '.join(PLANNER_MODELS)}); or a model JSON in SimuMax's layout "
+                   "(Megatron and Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an "
+                   "unknown key is an error)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--system", default="h800", help="h800, h100, a100 or a SimuMax system JSON (default h800)")
     p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GB (overrides the system)")
@@ -150,7 +152,7 @@ def best_command(result) -> str | None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    model = ModelSpec.load(args.model)
+    model = planner_model(args.model) or ModelSpec.load(args.model)
     system = _system(args)
     options = strategy_options(args.strategy)
     if args.pp:

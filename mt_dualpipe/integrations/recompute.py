@@ -7,9 +7,10 @@ choice of the report (§3.2.3): per layer, the attention keeps its input and ``a
 statistics, the normed input (the down-projections' input, needed for their weight gradients), the
 two latents (``wq_a``'s output and ``wkv_a``'s kv latent + rotary key) and the core's output (``wo``'s
 input) — not q, k, v (n_heads x (2 qk_head_dim + v_head_dim) per token) nor the probabilities; the
-FFN / MoE keeps what it keeps under ``"none"``. For Llama it recomputes the core attention
-(``LlamaAttention.core``: QKᵀ, softmax, ·V — its S×S probabilities dominate) and the SwiGLU product
-(``LlamaMLP.act``), as Megatron's selective recompute does. ``"full"`` keeps only each layer's input:
+FFN / MoE keeps what it keeps under ``"none"``. For the families on the shared layer (Llama, Qwen3-MoE)
+it recomputes the core attention (``layers.attention.GQAttention.core``: QKᵀ, softmax, ·V — its S×S
+probabilities dominate) and each SwiGLU product (``layers.mlp.SwiGLUMLP.act``), as Megatron's selective
+recompute does; those modules declare it themselves. ``"full"`` keeps only each layer's input:
 the whole layer is recomputed (DeepSeek-V3 MoE layers: the attention sublayer and every expert and
 shared expert; the router and the dispatch/combine all-to-alls are never re-run, since they count
 loads and talk to other ranks).
@@ -101,8 +102,9 @@ def _track_inputs(recorder: ActivationBytes, module: nn.Module, args: tuple) -> 
 class DeclaresRecompute(Protocol):
     """A layer that names its own recompute regions: ``(module, method name, tag)`` per policy.
 
-    Each model family's layer class implements it (DeepSeek-V3's ``Block``, Llama's
-    ``LlamaDecoderLayer``), so this module knows no family and a new family needs no case here.
+    Each model family's layer class implements it (DeepSeek-V3's ``Block``, the shared layer's
+    ``GQAttention`` and ``SwiGLUMLP``, each family's decoder layer for ``"full"``), so this module knows no
+    family and a new family needs no case here.
     """
 
     def recompute_regions(self, policy: str) -> Iterable[tuple[nn.Module, str, str]]:

@@ -51,8 +51,8 @@ ATTENTION_PLAN: dict[str, type[ParallelStyle]] = {
 MLP_PLAN: dict[str, type[ParallelStyle]] = {
     "gate_proj": ColwiseParallel, "up_proj": ColwiseParallel, "down_proj": RowwiseParallel,
 }
-HEAD_COUNTS = ("n_heads", "n_kv")
-"""Attention attributes that count heads: each tp rank runs ``1/tp`` of them."""
+HEAD_COUNTS = ("heads", "kv_heads")
+"""Attention attributes that count heads (``layers.attention.GQAttention``'s): each tp rank runs ``1/tp`` of them."""
 
 
 def _has(module: nn.Module, names: Any) -> bool:

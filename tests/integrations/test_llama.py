@@ -40,6 +40,15 @@ def tokens(seed: int = 3) -> torch.Tensor:
     return torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(seed))
 
 
+def test_the_old_import_paths_are_the_family_in_models():
+    import importlib
+
+    for sub in ("", ".config", ".model", ".checkpoint", ".stages"):
+        old = importlib.import_module(f"mt_dualpipe.integrations.llama{sub}")
+        new = importlib.import_module(f"mt_dualpipe.models.llama{sub}")
+        assert old.__all__ and all(getattr(old, name) is getattr(new, name) for name in old.__all__), sub
+
+
 def test_8b_preset_has_8_03_billion_parameters_on_meta():
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig.preset("8b"))
@@ -188,7 +197,8 @@ def _normalized_worker(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) 
 
 def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_token_mean():
     """Micro-batches with 0, 4, 8 and 12 ignored targets under DualPipeV: pipelined gradients with
-    ``normalizer=step_normalizer(labels)`` equal one process's token mean over the whole batch."""
+    ``normalizer=step_normalizer(labels)`` equal one process's token mean over the whole batch; the
+    per-micro-batch mean (what the criterion gives without a normalizer) does not."""
     from tests.helpers.dist import run_ranks
 
     config = LlamaConfig.preset("tiny")
@@ -199,10 +209,49 @@ def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_tok
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).double()
     model(x, y).backward()
-    want = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for xm, ym in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+        model(xm, ym).backward()
+    per_micro_batch = {n: p.grad for n, p in model.named_parameters()}
     got: dict[str, torch.Tensor] = {}
     for grads in run_ranks(_normalized_worker, 2, x, y, timeout=120):
         for n, g in grads.items():
             got[n] = got[n] + g if n in got else g
     assert sorted(got) == sorted(want)
     assert max(relative_error(got[n], want[n]) for n in got) < 1e-12
+    # averaging the micro-batch means instead (the same scale as the token mean) still weighs each
+    # micro-batch's targets by 1 / its own count: with uneven masks that is another gradient
+    assert max(relative_error(per_micro_batch[n] / 4, want[n]) for n in want) > 1e-2
+
+
+# ----- the planner reads the layers' declarations ---------------------------------------------------------
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_planner_counts_what_the_layers_declare_and_autograd_keeps(policy):
+    """The planner's saved bytes per token of a Llama layer come from the modules' ``saved_per_token``
+    (``spec.declared_saved``); against what autograd keeps (the meter), float32, sequence 64: within 10 %."""
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
+    from mt_dualpipe.models.llama import LlamaDecoderLayer
+    from mt_dualpipe.models.llama.spec import planner_spec
+
+    config = LlamaConfig.preset("tiny")
+    b, s = 2, 64
+    planned = planner_spec(config).layer_item(0, s, 4.0, policy, elem=4.0).act_bytes * b * s
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(config)
+    apply_recompute(layer, policy)
+    x = torch.randn(b, s, config.hidden_size, requires_grad=True)
+    meter = SavedActivationMeter(exclude=list(layer.parameters()))
+    with meter.measure():
+        layer(x)
+    assert abs(planned / meter.peak - 1) < 0.10, (planned, meter.peak)
+
+
+def test_the_8b_planner_spec_counts_the_models_parameters():
+    from mt_dualpipe.models import planner_model
+    from mt_dualpipe.models.llama.spec import planner_spec
+
+    spec = planner_model("llama3-8b")
+    assert spec.name == "llama3_8b" and spec.declared_saved is not None
+    assert spec.total_params() == planner_spec(LlamaConfig.preset("8b")).total_params()
+    assert spec.total_params() == 8_030_261_248  # LlamaForCausalLM's count on meta (the test above)

@@ -220,7 +220,9 @@ def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_tok
             got[n] = got[n] + g if n in got else g
     assert sorted(got) == sorted(want)
     assert max(relative_error(got[n], want[n]) for n in got) < 1e-12
-    assert max(relative_error(per_micro_batch[n], want[n]) for n in want) > 1e-3
+    # even scaled to the token mean's size (averaged, not summed), the micro-batch means weigh each
+    # micro-batch's targets by 1 / its own count: with uneven masks that is another gradient
+    assert max(relative_error(per_micro_batch[n] / NUM_MB, want[n]) for n in want) > 1e-2
 
 
 @pytest.mark.parametrize("schedule, policy", [("zbv", "none"), ("dualpipev", "none"), ("zbv", "selective")])

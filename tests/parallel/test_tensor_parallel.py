@@ -109,7 +109,7 @@ def test_plain_linears_split_generically_with_dtensor_weights():
 def test_refusals_name_what_is_wrong():
     out = run_ranks(tp_refusals, 4, timeout=120)
     for rank, r in enumerate(out):
-        assert r["heads"] == ("attention 'model.layers.0.self_attn': head counts {'n_kv': 1} are not divisible by "
+        assert r["heads"] == ("attention 'model.layers.0.self_attn': head counts {'kv_heads': 1} are not divisible by "
                               "tp=2; every tp rank needs whole query and key/value heads")
         assert r["zero1"].endswith("tensor-parallel (DTensor) parameters such as ['a.weight', 'a.bias'] reduce over "
                                    "dp with dp_mode='allreduce' or dp_mode='allreduce_bf16' only, got "

@@ -1,23 +1,27 @@
-"""Dense Llama 3 family for mt_dualpipe: model, pipeline stages for any placement, HF checkpoints, FP8.
-
-    config = LlamaConfig.preset("tiny")                      # or "8b", or LlamaConfig.from_hf(path)
-    model = LlamaForCausalLM(config)                         # single-process reference
-    mods = stages_for_rank(config, schedule, rank, source=model)   # or checkpoint=path (per-stage read)
-    loss = pipe.step(tokens, criterion=criterion_for(mods), labels=(labels,), ...)
-    sync_replicas(mods, group)                               # tied embeddings / mirrored stages
-    save_pipeline_checkpoint(mods, path)                     # every rank; one HF checkpoint
-
-FP8: ``build_stages(..., fp8=True)`` or ``convert_to_fp8(model)``.
+"""The Llama family moved to ``mt_dualpipe.models.llama`` (it composes the shared ``mt_dualpipe.layers``
+like every family); this package re-exports it so ``from mt_dualpipe.integrations.llama import ...`` and
+its submodules (``config``, ``model``, ``checkpoint``, ``stages``) keep working. It holds no code: the
+import-graph test allows its one upward import only as a compatibility alias (docs/architecture.md).
 """
 
-from ...layers.replicas import sync_replicas
-from ..hf_checkpoint import save_pipeline_checkpoint
-from .config import Llama3RopeScaling, LlamaConfig
-from .model import LlamaForCausalLM, LlamaModel, llama3_inv_freq
-from .stages import LlamaStage, build_stages, criterion_for, stage_layer_ids, stages_for_rank
+from ...models.llama import (
+    Llama3RopeScaling,
+    LlamaConfig,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    LlamaStage,
+    build_stages,
+    criterion_for,
+    llama3_inv_freq,
+    save_pipeline_checkpoint,
+    stage_layer_ids,
+    stages_for_rank,
+    sync_replicas,
+)
 
 __all__ = [
-    "Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "LlamaModel", "LlamaStage", "build_stages",
-    "criterion_for", "llama3_inv_freq", "save_pipeline_checkpoint", "stage_layer_ids", "stages_for_rank",
-    "sync_replicas",
+    "Llama3RopeScaling", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaModel", "LlamaStage",
+    "build_stages", "criterion_for", "llama3_inv_freq", "save_pipeline_checkpoint", "stage_layer_ids",
+    "stages_for_rank", "sync_replicas",
 ]

@@ -11,7 +11,7 @@ for the other families: ``stage(x)`` -> hidden states, the last stage's ``criter
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +83,7 @@ class Qwen3MoeStage(nn.Module):
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        loss = lm_loss(logits(self.model.norm(h), weight), labels, normalizer=normalizer)
+        loss = lm_loss(logits(self.model.norm(h), weight), labels, ignore_index=-100, normalizer=normalizer)
         self.loss_log.append(float(loss.detach()))
         return loss
 
@@ -141,7 +141,8 @@ def stages_for_rank(config: Qwen3MoeConfig, schedule: Any, rank: int, layout: Se
     return build_stages(config, num, layout, indices=wanted, **kwargs)
 
 
-def criterion_for(stages: Sequence[Qwen3MoeStage], normalizer: float | torch.Tensor | None = None):
+def criterion_for(stages: Sequence[Qwen3MoeStage], normalizer: float | torch.Tensor | None = None
+                  ) -> Callable[..., torch.Tensor] | None:
     """The bound criterion of the last stage among this rank's stages, or None; with ``normalizer`` (the
     step's valid-target count, ``layers.step_normalizer``) bound to it."""
     last = [st for st in stages if st.is_last]
