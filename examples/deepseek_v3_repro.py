@@ -139,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DeepSeek-V3's activation savers (DeepSeekV3Config.memory_savers): 'all', 'none' (default)\n"
                         "or a comma-separated subset of norm, swiglu, combine, router, attention, loss, mla_input;\n"
                         "the summary puts the planner's peak for the same savers next to the recorded one")
+    p.add_argument("--core-attention", default="eager", choices=("eager", "flash"),
+                   help="MLA's core attention (DeepSeekV3Config.core_attention): eager (keeps the S x S\n"
+                        "probabilities) or flash (q, k, v, output and one log-sum-exp per head: the planner's 'fused')")
     p.add_argument("--bf16-moments", action="store_true", help="AdamW moments in BF16 (mt_dualpipe.optim.AdamWBF16)")
     p.add_argument("--cpu-ema", type=float, default=None, metavar="DECAY",
                    help="keep a parameter EMA with this decay on the CPU, updated in the background after each step")
@@ -280,7 +283,7 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
         config = config.with_balance(args.balance)
     if args.fp8_dispatch:
         config = config.replace(fp8_dispatch=True)
-    config = config.replace(memory_savers=args.memory_savers)
+    config = config.replace(memory_savers=args.memory_savers, core_attention=args.core_attention)
     mbs = args.microbatches or default_microbatches(args.schedule, world)
     options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
     sched = build_schedule(args.schedule, world, mbs, **options)
@@ -648,7 +651,7 @@ def fp8_weight_copies(run: RankSetup, world: int) -> list[tuple[int, int]]:
 def planned_activation_peaks(args: argparse.Namespace, run: RankSetup) -> list[float]:
     """The planner's peak of saved-activation bytes per pipeline rank for this run: its stage split, schedule,
     precision, recompute policy and memory savers (``planner.activations``, ``estimate.activation_peak_bytes``),
-    with the eager core attention the demo runs."""
+    with the core attention the demo runs (``--core-attention``: eager, or flash as the planner's "fused")."""
     from mt_dualpipe.planner import ModelSpec
     from mt_dualpipe.planner.activations import FP8_LIN, memory_savers
     from mt_dualpipe.planner.estimate import activation_peak_bytes
@@ -658,7 +661,8 @@ def planned_activation_peaks(args: argparse.Namespace, run: RankSetup) -> list[f
     with memory_savers(config.memory_savers):
         items = ModelSpec.from_deepseek_config(config).items(
             args.seq_len, act_unit=FP8_LIN if args.fp8 else float(elem), recompute=args.recompute, elem=float(elem),
-            micro_batch_size=args.micro_batch_size, attention="eager")
+            micro_batch_size=args.micro_batch_size,
+            attention="fused" if config.core_attention == "flash" else "eager")
     tokens = args.seq_len * args.micro_batch_size
     counts, k, act, held = list(run.split.counts), 0, [], []
     for i, n in enumerate(counts):
@@ -699,7 +703,7 @@ def summarize(args, run: RankSetup, stepper, history: dict) -> dict:
         "tokens_per_s": sum(steady) / len(steady) if steady else None,
         "recompute": args.recompute, "compile": args.compile,
         "activation_peak_bytes_per_rank": history["activation_peak_bytes"],
-        "memory_savers": sorted(run.config.memory_savers),
+        "memory_savers": sorted(run.config.memory_savers), "core_attention": run.config.core_attention,
         "planned_activation_peak_bytes_per_pp_rank": planned_activation_peaks(args, run),
         "pp_rank_per_rank": [r for r, _ in history["rank_stages"]],
         "fp8_weight_copy_bytes_per_rank": [b for _, b in history["rank_stages"]],
@@ -742,7 +746,9 @@ def report(summary: dict) -> None:
         planned = summary["planned_activation_peak_bytes_per_pp_rank"]
         copies = summary["fp8_weight_copy_bytes_per_rank"]  # recorded with the activations, weights to the planner
         per_rank = [planned[r] + (c if summary["fp8"] else 0) for r, c in zip(summary["pp_rank_per_rank"], copies)]
-        t.add_row(f"planner's peak per rank (savers: {savers}{', + FP8 weight copies' if summary['fp8'] else ''})",
+        core = ", flash core" if summary.get("core_attention") == "flash" else ""
+        t.add_row(f"planner's peak per rank (savers: {savers}{core}"
+                  f"{', + FP8 weight copies' if summary['fp8'] else ''})",
                   " ".join(f"{p / 2**20:.2f}" for p in per_rank) + " MiB")
     val = summary["val_loss"]
     if val and val[0] is not None:

@@ -1,7 +1,8 @@
 """Step time and peak memory of one parallel strategy: compute/communication model + simulator.
 
 For a strategy (pipeline size, schedule, micro-batches, expert- and data-parallel sizes) on a
-system, the model is cut into pipeline stages balanced by compute, each stage's F, B, W and
+system, the model is cut into pipeline stages (as the runtime cuts them where its family has a cut of
+its own, ``stage_cut``: DeepSeek-V3; else balanced by compute along the chain), each stage's F, B, W and
 all-to-all times come from FLOPs and bytes, and the pipeline part of the step is simulated with
 the same simulator as everything else in this library. Around it:
 
@@ -13,7 +14,8 @@ the same simulator as everything else in this library. Around it:
   after the optimizer step, FSDP's when the next step unshards its stages before any F).
   ``pipeline_time`` is the compute's makespan, ``dp_sync_time`` what the sync adds to it
   (exposed), and ``dp_sync_total`` what it would add with nothing hidden.
-- **memory per GPU** = weights + gradients + optimizer state (sharded over data parallel when the
+- **memory per GPU** (term by term, each with its formula and the code that keeps it:
+  ``memory_terms``) = weights + gradients + optimizer state (sharded over data parallel when the
   mode shards it, ``parallel.modes.DataParallelMode.shards_optimizer_state``: ZeRO-1 and FSDP;
   experts are sharded by expert parallel and their optimizer over the expert-data-parallel
   group) + the peak of saved activations along the rank's op order: a stage's bytes per
@@ -59,13 +61,15 @@ from ..schedules.placements import balanced_cuts
 from ..schedules.simulate import SimResult, run_schedule
 from .activations import FP8_LIN, active_savers
 from .dp_sync import param_gather_time, stage_sync_times
+from .memory_terms import MemoryTerm, memory_terms, totals, weight_bytes
 from .model import Item, ModelSpec
 from .runnable import launch, unrunnable_reasons
+from .stage_cut import balanced_counts, cuts_per_rank
 from .strategy import AUTO, Strategy, schedule_options
 from .system import SystemSpec
 
-__all__ = ["AUTO", "GB", "Estimate", "Strategy", "activation_peak_bytes", "estimate", "schedule_options",
-           "stage_costs", "stage_items"]
+__all__ = ["AUTO", "GB", "Estimate", "Strategy", "activation_peak_bytes", "estimate", "memory_breakdown",
+           "schedule_options", "stage_costs", "stage_items", "weight_bytes"]
 
 GB = 1e9
 
@@ -88,6 +92,11 @@ class Estimate:
     dp_sync_total: float = 0.0  # the sync's time with nothing hidden (the most loaded rank's)
     tied_across_stages: bool = False  # the model ties weights across pipeline stages (MTP's embedding)
     optimizer_time: float = 0.0  # the optimizer step (memory-bound, after the sync; part of step_time)
+    memory_rank: int = 0  # the pipeline rank whose memory ``memory_gb`` reports (the fullest)
+    blocks_per_stage: list[int] = field(default_factory=list)  # decoder layers per stage (``stage_layers``
+    #                                                            counts the embedding and head items too)
+    memory_terms: list[MemoryTerm] = field(default_factory=list, repr=False)  # that rank's memory, term by term
+    rank_memory: list[dict[str, float]] = field(default_factory=list, repr=False)  # every rank's ``memory_gb``
 
     @property
     def total_memory_gb(self) -> float:
@@ -114,7 +123,11 @@ class Estimate:
                 "bubble_rate": self.bubble_rate, "mfu": self.mfu,
                 "memory_gb": {k: round(v, 3) for k, v in self.memory_gb.items()},
                 "peak_activations": self.peak_activations,
-                "stage_layers": self.stage_layers, "fits": self.fits, "note": self.note,
+                "stage_layers": self.stage_layers, "blocks_per_stage": self.blocks_per_stage,
+                "memory_rank": self.memory_rank, "per_rank_gb": [round(x, 3) for x in self.per_rank_gb],
+                "memory_terms": [{"part": t.part, "name": t.name, "gb": round(t.gb, 3), "formula": t.formula,
+                                  "kept_by": t.kept_by} for t in self.memory_terms],
+                "fits": self.fits, "note": self.note,
                 "launch": launch(s), "runnable": self.runnable, "unrunnable": self.unrunnable}
 
 
@@ -149,14 +162,20 @@ def partition(weights: list[float], parts: int) -> list[int]:
 
 
 def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> list[list[Item]]:
-    """The model's items cut into the chain's stages, balanced by F+B+W time."""
+    """The model's items cut into the chain's stages: ``strategy.layers_per_stage`` when given, else the
+    runtime's own cut where its family has one (``stage_cut.cuts_per_rank``: DeepSeek-V3's
+    ``stages_for_rank`` builds ``stage_cut.balance``'s layout for the schedule's placement), else
+    balanced by F+B+W time along the chain."""
     items = model.items(strategy.seq_len, ACT_UNIT[strategy.dtype], strategy.recompute,
                         elem=4.0 if strategy.dtype == "fp32" else 2.0, micro_batch_size=strategy.micro_batch_size,
                         attention=strategy.attention)
     tokens = strategy.seq_len * strategy.micro_batch_size
     stages = num_stages(strategy)
-    if strategy.layers_per_stage is not None:
-        layers = list(strategy.layers_per_stage)
+    layers_per_stage = strategy.layers_per_stage
+    if layers_per_stage is None and cuts_per_rank(model):
+        layers_per_stage = tuple(runtime_cut(model, strategy))
+    if layers_per_stage is not None:
+        layers = list(layers_per_stage)
         if len(layers) != stages or sum(layers) != model.layer_num or min(layers) < 0:
             raise ScheduleError(f"layers_per_stage {layers} must give {stages} counts summing to "
                                 f"{model.layer_num} layers")
@@ -169,6 +188,14 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
         out.append(items[k:k + n])
         k += n
     return out
+
+
+def runtime_cut(model: ModelSpec, strategy: Strategy) -> list[int]:
+    """Decoder layers per stage as the runtime cuts them for ``strategy`` (``stage_cut.balance`` over the
+    schedule's placement at the strategy's sequence length: ``stages_for_rank(..., seq_len=)``)."""
+    info = schedule_info(strategy.schedule)
+    placement = info.layout(strategy.pp, strategy.num_microbatches, **schedule_options(strategy))
+    return balanced_counts(model, placement.ranks, strategy.seq_len)
 
 
 def ties_across_stages(model: ModelSpec, stages: int) -> bool:
@@ -285,15 +312,6 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
 
 
 # ----- memory ------------------------------------------------------------------------------------
-def weight_bytes(strategy: Strategy) -> tuple[float, float, float]:
-    """(weight, gradient, optimizer) bytes per parameter: BF16 weights, FP32 gradients,
-    FP32 master + two Adam moments (BF16 moments for FP8 training, as DeepSeek-V3; FP32 otherwise);
-    plain FP32 training keeps FP32 weights, gradients and two moments (no master copy)."""
-    if strategy.dtype == "fp32":
-        return 4.0, 4.0, 8.0
-    return 2.0, 4.0, (8.0 if strategy.dtype == "fp8" else 12.0)
-
-
 def activation_peak_bytes(ops: list, stage_bytes: list[float], w_bytes: list[float] | None = None,
                           input_bytes: list[float] | None = None) -> float:
     """Peak saved-activation bytes of one rank's op order: each op holds and frees what ``schedules.ops``
@@ -361,30 +379,13 @@ class _ActivationWalk:
 def memory_breakdown(strategy: Strategy, stages: list[list[Item]], local: list[int], act_bytes: float,
                      extra_params: float = 0.0) -> dict[str, float]:
     """Weights (with FP8 training, each ``FP8Linear``'s cached E4M3 copy of its weight too: 1 byte per
-    converted parameter, the block scales aside), gradients, optimizer state and activations, in GB.
+    converted parameter, the block scales aside), gradients, optimizer state and activations, in GB:
+    the sums of ``memory_terms.memory_terms`` (each term's formula and the code that keeps it).
 
     The optimizer state is divided over the data-parallel group (experts': the expert-data-parallel
     group) when the strategy's mode shards it (zero1, fsdp); weights and gradients are whole in every
     mode, since that is what the step's peak holds (FSDP unshards its stages for the whole step)."""
-    wb, gb, ob = weight_bytes(strategy)
-    tp = strategy.tp  # dense weights (and the vocabulary) are split over tensor parallel, experts over ep
-    dense = (sum(i.params for s in local for i in stages[s]) + extra_params) / tp
-    expert = sum(i.expert_params for s in local for i in stages[s]) / strategy.ep
-    fp8_cache = 0.0
-    if strategy.dtype == "fp8":  # the experts' and the layers' linears (not the embedding, head or router)
-        fp8_cache = sum(i.linear_params for s in local for i in stages[s]) / tp + expert
-    edp = max(1, strategy.dp // strategy.ep)
-    sharded = mode_for_zero_stage(strategy.zero).shards_optimizer_state
-    shard_dense = strategy.dp if sharded else 1
-    shard_expert = edp if sharded else 1
-    out = {
-        "weights": ((dense + expert) * wb + fp8_cache) / GB,
-        "gradients": (dense + expert) * gb / GB,
-        "optimizer": (dense * ob / shard_dense + expert * ob / shard_expert) / GB,
-        "activations": act_bytes / GB,
-    }
-    out["total"] = sum(out.values())
-    return out
+    return totals(memory_terms(strategy, stages, local, act_bytes, extra_params))
 
 
 # ----- one strategy ------------------------------------------------------------------------------
@@ -423,7 +424,7 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     sched = _schedule(strategy, costs)
     res, timing = _simulate(strategy, system, stages, sched, costs)
     worst = None
-    per_rank = []
+    per_rank, rank_memory = [], []
     optimizer = 0.0
     # sequence parallelism shards every saved activation over the tensor-parallel group (Korthikanti et al.)
     shard = tokens / strategy.tp
@@ -441,12 +442,14 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
         extra = model.vocab_size * model.hidden_size if model.mtp_depth and len(stages) - 1 in local \
             and 0 not in local else 0.0
         acts = activation_peak_bytes(sched.ranks[r], stage_bytes, w_bytes, in_bytes)
-        mem = memory_breakdown(strategy, stages, local, acts, extra)
+        terms = memory_terms(strategy, stages, local, acts, extra, stage_bytes)
+        mem = totals(terms)
         optimizer = max(optimizer, optimizer_step_time(strategy, system, stages, local))
         per_rank.append(mem["total"])
+        rank_memory.append(mem)
         if worst is None or mem["total"] > worst[0]["total"]:
-            worst = (mem, res.peak_activations[r])
-    mem, peak = worst
+            worst = (mem, res.peak_activations[r], r, terms)
+    mem, peak, fullest, fullest_terms = worst
     step = timing.step + optimizer
     useful = model.flops_per_token(strategy.seq_len) * tokens * strategy.num_microbatches * strategy.dp
     mfu = useful / (strategy.gpus * system.tflops(strategy.dtype) * 1e12 * step)
@@ -454,7 +457,8 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     return Estimate(strategy, step, timing.pipeline, timing.step - timing.pipeline, timing.bubble_rate, mem, peak,
                     [len(g) for g in stages], mfu, fits, per_rank_gb=per_rank, costs=timing.costs,
                     dp_sync_total=timing.total, tied_across_stages=ties_across_stages(model, len(stages)),
-                    optimizer_time=optimizer)
+                    optimizer_time=optimizer, memory_rank=fullest, memory_terms=fullest_terms, rank_memory=rank_memory,
+                    blocks_per_stage=[sum(1 for i in g if i.name.startswith("layer")) for g in stages])
 
 
 @dataclass(frozen=True)

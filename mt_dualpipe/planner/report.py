@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .activations import SAVERS, active_savers
+from .estimate import Estimate
 from .model import ModelSpec
 from .runnable import short_reason
 from .search import PlanResult
@@ -56,14 +57,15 @@ RECOMPUTE_SAVERS = {
 }
 
 
-def savers_line(strategy) -> str:
-    """The memory savers an estimate models (all implemented by the runtime) and those it leaves out."""
+def savers_line(strategy, savers: frozenset[str] | None = None) -> str:
+    """The memory savers an estimate models (all implemented by the runtime) and those it leaves out;
+    ``savers``: DeepSeek-V3's activation savers the estimate counted (default: those active now)."""
     parts = [RECOMPUTE_SAVERS[strategy.recompute]]
     if strategy.dtype == "fp8":
         parts.append("FP8-cached inputs of the FP8 linears (FP8Linear: E4M3 + 1x128 scales, the experts' inputs "
                      "after dispatch included; one copy per linear, one per SwiGLU), FP8 dispatch, the FP8 weight "
                      "copies in 'weights', BF16 Adam moments")
-    on = active_savers()
+    on = active_savers() if savers is None else savers
     off = "off (--memory-savers all turns them on: " + ", ".join(SAVERS) + ")"
     parts.append("DeepSeek-V3's activation savers " + (", ".join(sorted(on)) if on else off))
     return "memory savers modelled (all in the runtime): " + "; ".join(parts) + "."
@@ -78,6 +80,23 @@ def notes(result: PlanResult, top: int = 10) -> list[str]:
     if reasons:
         out.append("run no: the runtime cannot launch it yet — " + "; ".join(reasons)
                    + ". --runnable-only ranks only the configurations it can.")
+    return out
+
+
+def memory_lines(est: Estimate) -> list[str]:
+    """An estimate's memory per GPU on its fullest rank, term by term (``memory_terms``: the formula and
+    the code that keeps each), with every rank's total."""
+    s = est.strategy
+    ranks = " ".join(f"{gb:.1f}" for gb in est.per_rank_gb)
+    out = [f"memory per GPU of {s.describe()} {s.dtype} recompute {s.recompute}, zero {s.zero}: rank "
+           f"{est.memory_rank} of {s.pp} is the fullest (blocks per stage {est.blocks_per_stage}; every rank's "
+           f"total in GB: {ranks})"]
+    out += ["  " + t.line() for t in est.memory_terms]
+    out.append(f"  {'total':<11} {est.total_memory_gb:6.2f} GB")
+    if est.rank_memory and est.memory_rank != 0:  # rank 0 holds the embedding (and, V or dual, the head and MTP)
+        m = est.rank_memory[0]
+        out.append(f"rank 0 (the embedding's): weights {m['weights']:.2f} + gradients {m['gradients']:.2f} + optimizer "
+                   f"{m['optimizer']:.2f} + activations {m['activations']:.2f} = {m['total']:.2f} GB")
     return out
 
 
@@ -98,7 +117,7 @@ def print_plan(result: PlanResult, top: int = 10, console: Console | None = None
                           f"mbs{s.micro_batch_size} {s.dtype} recompute {s.recompute}: weights {m['weights']:.1f} + "
                           f"grads {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + activations "
                           f"{m['activations']:.1f} = {m['total']:.1f} GB per GPU")
-            console.print(savers_line(s))
+            console.print(savers_line(s, result.memory_savers))
     else:
         console.print(plan_table(result, top))
         console.print(f"{len(result.ranked)} configurations fit, {len(result.rejected)} exceed the memory, "
@@ -106,6 +125,10 @@ def print_plan(result: PlanResult, top: int = 10, console: Console | None = None
                       + (f", {result.not_runnable} left out as not runnable" if result.not_runnable else ""))
         for line in notes(result, top):
             console.print(line)
+        shown = result.reference or result.ranked[0]
+        for line in memory_lines(shown):
+            console.print(line, highlight=False, markup=False)
+        console.print(savers_line(shown.strategy, result.memory_savers))
     if result.verdict:
         console.print(result.verdict)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from ..schedules.auto import PLACEMENTS
 from ..schedules.errors import ScheduleError
 from ..schedules.registry import schedule_info
+from .activations import active_savers
 from .estimate import AUTO, Estimate, Strategy, estimate, num_stages, ties_across_stages
 from .model import ModelSpec
 from .runnable import unrunnable_reasons, zero_from_config
@@ -39,6 +40,7 @@ class PlanResult:
     reference: Estimate | None = None            # the model's published configuration, when it has one
     reference_rank: int | None = None
     verdict: str = ""
+    memory_savers: frozenset[str] = frozenset()  # DeepSeek-V3's activation savers the estimates counted
 
     def to_dict(self, top: int = 20) -> dict:
         return {"format": "mt-dualpipe.plan/1", "model": self.model.name, "system": self.system.name,
@@ -145,7 +147,8 @@ def plan(model: ModelSpec, system: SystemSpec, gpus: int, global_batch: int | No
     ranked.sort(key=lambda e: (e.step_time, e.total_memory_gb))
     if auto_top:
         _add_auto(model, system, ranked, rejected, auto_top)
-    result = PlanResult(model, system, gpus, global_batch, ranked, rejected, skipped, not_runnable=not_runnable)
+    result = PlanResult(model, system, gpus, global_batch, ranked, rejected, skipped, not_runnable=not_runnable,
+                        memory_savers=active_savers())
     if reference is None:
         reference = _published(training, gpus, global_batch, options)
     if reference is not None:

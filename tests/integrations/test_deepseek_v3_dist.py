@@ -107,6 +107,11 @@ def _pipeline_worker(rank, world, schedule, num_mb, layout, savers=""):
         ref_losses.append(loss.detach())
     sched = build_schedule(schedule, world, num_mb)
     mods = stages_for_rank(config, sched, rank, layout, source=model)
+    # a rank holding the first stage and the last (MTP) has one embedding: one Parameter for both uses, whose
+    # gradient (checked below against the single model's) is the sum of the two; elsewhere copies, tied
+    holders = [m for m in mods if hasattr(m, "embed")]
+    shared = len(holders) == 2 and holders[0].embed is holders[1].embed
+    assert shared or len(holders) < 2
     pipe = (DualPipe if schedule == "dualpipe" else DualPipeV)(tuple(mods), timeout=60)
     calls = []  # count the overlapped F&B units the runtime hands to the stage class
     plain = DeepSeekV3Stage.__dict__["overlapped_forward_backward"].__func__
@@ -140,23 +145,27 @@ def _pipeline_worker(rank, world, schedule, num_mb, layout, savers=""):
         torch.testing.assert_close(loss_inf, expected, rtol=1e-6, atol=1e-6)
     after = [b for m in mods for n, b in m.named_buffers() if n.endswith("gate.load")]
     assert all(torch.equal(a, b) for a, b in zip(loads, after))
-    return checked, len(calls)
+    return checked, len(calls), shared
 
 
 def test_dualpipe_2_ranks_matches_single_process(two_ranks):
     res = two_ranks("dualpipe")
-    assert all(c > 20 for c, _ in res)
-    assert sum(fb for _, fb in res) > 0  # the overlapped F&B path ran
+    assert all(c > 20 for c, _, _ in res)
+    assert sum(fb for _, fb, _ in res) > 0  # the overlapped F&B path ran
+    assert [shared for _, _, shared in res] == [True, True]  # each rank holds stages 0 and 1 (DualPipe's mirror)
 
 
 def test_dualpipe_4_ranks_matches_single_process():
     res = run_ranks(_pipeline_worker, 4, "dualpipe", 8, [1, 1, 1, 1], timeout=180)
-    assert all(c > 20 for c, _ in res)
-    assert all(fb > 0 for _, fb in res)
+    assert all(c > 20 for c, _, _ in res)
+    assert all(fb > 0 for _, fb, _ in res)
+    assert [shared for _, _, shared in res] == [True, False, False, True]  # ranks 0 and 3 hold stages 0 and 3
 
 
 def test_dualpipev_matches_single_process(two_ranks):
-    assert all(c > 20 for c, _ in two_ranks("dualpipev"))
+    res = two_ranks("dualpipev")
+    assert all(c > 20 for c, _, _ in res)
+    assert [shared for _, _, shared in res] == [True, False]  # rank 0 holds stages 0 and 3
 
 
 def _zero_bubble_worker(rank, world, schedule, num_mb, savers=""):
@@ -211,7 +220,7 @@ def test_memory_savers_keep_every_parallel_path_equal_to_single_process(two_rank
     assert two_ranks("ep_savers") == [8, 8]
     assert two_ranks("ep_overlap_savers") == [True, True]
     res = two_ranks("dualpipe_savers")
-    assert all(c > 20 for c, _ in res) and sum(fb for _, fb in res) > 0
+    assert all(c > 20 for c, _, _ in res) and sum(fb for _, fb, _ in res) > 0
     for closures, calls, linears in two_ranks("zb-h1_savers"):
         assert linears > 10 and calls >= 4 * 4 and closures == calls, (closures, calls, linears)
 

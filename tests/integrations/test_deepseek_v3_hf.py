@@ -134,6 +134,9 @@ def test_transformers_checkpoint_gives_the_same_logits(tmp_path, yarn):
     # with every memory saver on, in a forward that builds the graph (where the savers act), too
     saving = DeepSeekV3Model.from_pretrained(tmp_path, dtype=torch.float64, mtp_depth=0, memory_savers="all")
     assert relative_error(saving.eval()(tokens()).detach(), ref) < 1e-12
+    # the flash-style core (q, k, v, output and log-sum-exp kept; a graph-building forward takes it)
+    flash = DeepSeekV3Model.from_pretrained(tmp_path, dtype=torch.float64, mtp_depth=0, core_attention="flash")
+    assert relative_error(flash.eval()(tokens()).detach(), ref) < 1e-12
     # a yarn model run without yarn is far off: the scaling is really applied
     if yarn:
         plain = DeepSeekV3Model.from_pretrained(tmp_path, dtype=torch.float64, mtp_depth=0, rope_scaling=None)

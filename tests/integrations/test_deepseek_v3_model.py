@@ -356,8 +356,23 @@ def test_mtp_shares_the_embedding_on_the_rank_that_holds_first_and_last_stage():
     by_index = {st.index: st for st in rank0 + rank1}
     x, y = make_batch(config, 2, 16)
     model(x, y).backward()
+    uses = []  # (token ids, output) of each call of the one embedding: stage 0's lookup, then MTP's
+
+    def keep(_module, args, out):
+        out.retain_grad()
+        uses.append((args[0], out))
+
+    hook = rank0[0].embed.register_forward_hook(keep)
     h = x
     for i in range(4):
         h = by_index[i](h)
     by_index[3].criterion(h, y).backward()
-    torch.testing.assert_close(rank0[0].embed.weight.grad, model.embed.weight.grad, rtol=1e-5, atol=1e-7)
+    hook.remove()
+    embed = rank0[0].embed.weight
+    # both stages name it, as one Parameter object
+    assert [p is embed for st in rank0 for n, p in st.named_parameters() if n == "embed.weight"] == [True, True]
+    torch.testing.assert_close(embed.grad, model.embed.weight.grad, rtol=1e-5, atol=1e-7)
+    # the one gradient is the sum of both uses' scatter-adds, and each use contributes
+    per_use = [torch.zeros_like(embed).index_add_(0, ids.flatten(), out.grad.flatten(0, 1)) for ids, out in uses]
+    assert len(per_use) == 2 and all(g.abs().sum() > 0 for g in per_use)
+    torch.testing.assert_close(embed.grad, per_use[0] + per_use[1], rtol=1e-6, atol=1e-8)

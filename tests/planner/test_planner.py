@@ -131,13 +131,15 @@ def test_deepseek_v3_on_2048_h800(v3):
     assert (ref.pp, ref.schedule, ref.ep, ref.dp, ref.num_microbatches) == (16, "dualpipe", 64, 128, 120)
     # at 192 GB in-node expert parallelism (ep 8, 16) fits: its all-to-all stays on NVLink, so a zero-bubble
     # schedule leaves it exposed at little cost, while DualPipe's overlap takes 20 of 132 SMs from the compute
-    # (estimate.overlaps_communication); the published layout stays within 12 % of the best and leads the
-    # cross-node (ep >= 32) layouts, each of which has a pp-8 DualPipeV twin within 1 %
+    # (estimate.overlaps_communication); the published layout stays within 12 % of the best and within 1.5 % of
+    # the fastest cross-node (ep >= 32) layout (EP32, whose all-to-all crosses fewer nodes), each of which has a
+    # pp-8 DualPipeV twin within 1 %. The stages are the runtime's cut (planner.stage_cut: FLOP-balanced per
+    # rank), which puts one block with the head and MTP: 0.6 % slower here than a cut balanced by modelled time
     assert result.reference_rank is not None
     assert result.reference.step_time <= 1.12 * result.ranked[0].step_time
     cross_node = [e for e in result.ranked if e.strategy.ep >= 32]
     assert cross_node[0].strategy.schedule in ("dualpipe", "dualpipev")
-    assert result.reference.step_time <= 1.01 * cross_node[0].step_time
+    assert result.reference.step_time <= 1.015 * cross_node[0].step_time
     assert "ranks #" in result.verdict or "ranks first" in result.verdict
 
 

@@ -39,6 +39,11 @@ is counted with the same rule by the planner (``planner/activations.py``):
 - ``mla_input``: with FP8 linears, MLA's two down-projections (``wq_a``, ``wkv_a``) share one E4M3 copy
   of their input, as the SwiGLU's up-projections already do (each FP8 linear otherwise keeps its own)."""
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+CORE_ATTENTION = ("eager", "flash")
+"""MLA's core attention (``DeepSeekV3Config.core_attention``): ``eager`` (einsum, softmax, einsum: autograd
+keeps the S×S probabilities, or only q, k, v with the ``attention`` saver) or ``flash``
+(``flash_core.FlashCore``: q, k, v, the output and one log-sum-exp per head, what the planner counts as
+``fused`` attention, its default)."""
 
 _YARN_671B = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
                          mscale=1.0, mscale_all_dim=1.0)
@@ -102,6 +107,7 @@ class DeepSeekV3Config:
     every gradient stay in the model's dtype), as DeepSeek-V3 does to halve the dispatch bytes.
     ``memory_savers``: the report's activation savers that are on (``MEMORY_SAVERS``; a string such as
     ``"all"`` or ``"norm,swiglu"`` is accepted); off by default, so the modules save what eager autograd does.
+    ``core_attention``: ``"eager"`` or ``"flash"`` (``CORE_ATTENTION``).
     """
 
     vocab_size: int = 129280
@@ -142,6 +148,7 @@ class DeepSeekV3Config:
     capacity_priority: str = "position"
     fp8_dispatch: bool = False
     memory_savers: frozenset[str] = frozenset()
+    core_attention: str = "eager"
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -163,6 +170,9 @@ class DeepSeekV3Config:
             raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; choose one of {SCORING_FUNCS}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method {self.topk_method!r} is not supported; choose one of {TOPK_METHODS}")
+        if self.core_attention not in CORE_ATTENTION:
+            raise ValueError(f"core_attention {self.core_attention!r} is not supported; choose one of "
+                             f"{CORE_ATTENTION}")
         self._check_routing()
         self._check_balancing()
 

@@ -1,8 +1,9 @@
 """Blocks per pipeline stage: a layout given as counts or a Megatron-style string, or the block-count default.
 
-Its own module, below both ``stages.py`` (which builds the stages a layout describes) and
-``stage_balance.py`` (whose search starts from the block-count layout, and whose balanced layout
-``stages.py`` uses by default). ``stages.parse_layout`` and ``stages.stage_layer_ids`` still name these.
+Its own module, below ``stages.py`` (which builds the stages a layout describes; by default the
+balanced layout of ``stage_balance.py``). The block-count layout is ``planner.stage_cut.count_layout``,
+where the balancing search also starts from it. ``stages.parse_layout`` and ``stages.stage_layer_ids``
+still name these.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from ...planner.stage_cut import count_layout
 from .config import DeepSeekV3Config
 
 
@@ -22,14 +24,7 @@ def parse_layout(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if layout is None:
-        units = config.n_layers + config.mtp_depth
-        base, extra = divmod(units, num_stages)
-        counts = [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
-        counts[-1] -= config.mtp_depth
-        if counts[-1] < 0:
-            base, extra = divmod(config.n_layers, num_stages)
-            counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
-        return counts
+        return count_layout(config.n_layers, config.mtp_depth, num_stages)
     if isinstance(layout, str):
         parts = layout.split("|")
         if len(parts) != num_stages:

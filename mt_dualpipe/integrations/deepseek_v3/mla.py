@@ -22,6 +22,7 @@ from ...layers.rope import apply_rope
 from ..fp8.linear import FP8Linear
 from ..fp8.quantize import quantize_tiles
 from .config import DeepSeekV3Config
+from .flash_core import flash_core
 from .yarn import YarnScaling
 
 
@@ -165,6 +166,7 @@ class MLA(nn.Module):
         self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
         self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps, c.saves("norm"))
         self.recompute_core = c.saves("attention")
+        self.flash = c.core_attention == "flash"
         self.share_fp8_input = c.saves("mla_input")
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
@@ -211,7 +213,11 @@ class MLA(nn.Module):
         return q, k, v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection."""
+        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection:
+        ``core_attention="flash"`` keeps q, k, v, the output and a log-sum-exp (``flash_core``); else the
+        eager core, keeping q, k and v only with the ``"attention"`` saver."""
+        if self.flash and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return flash_core(q, k, v, self.softmax_scale, compute_dtype(q))
         if self.recompute_core and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return _RecomputedCore.apply(q, k, v, self.softmax_scale)
         return eager_core(q, k, v, self.softmax_scale)

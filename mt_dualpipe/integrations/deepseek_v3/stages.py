@@ -277,13 +277,15 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
                     ep_group: dist.ProcessGroup | None = None, mesh: Any = None,
                     defer_weight_grads: bool = True, checkpoint: Any = None, fp8: bool = False,
                     recompute: str = "none", compile: bool | str = False,
-                    share_embedding: bool = True) -> list[DeepSeekV3Stage]:
+                    share_embedding: bool = True, seq_len: int | None = None) -> list[DeepSeekV3Stage]:
     """This rank's stage modules for any schedule, in ``schedule.local_stages(rank)`` order (the order the
     runtime expects). Mirrored chains (DualPipe) map chain c's stage s to the same model stage s.
     ``share_embedding``: where this rank holds both the first stage and the last (DualPipe, DualPipeV,
     ZB-V: rank 0), MTP reads the main embedding itself (``share_local_embedding``), one parameter, as the
     DeepSeek-V3 report has it; pass False when each stage is wrapped with ``fully_shard`` on its own.
-    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost).
+    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)
+    at ``seq_len`` tokens per sequence (default ``config.max_seq_len``): the cut ``mt-dualpipe plan``
+    assumes for a run at that sequence length (``planner.stage_cut``).
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
     (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
     if mesh is not None:
@@ -295,7 +297,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
         ep_group = mesh_ep_group(mesh)
     num_stages = schedule.num_stages(0)
     if layout is None:
-        layout = balanced_layout(config, schedule.placement)
+        layout = balanced_layout(config, schedule.placement, seq_len)
     wanted = [s for _, s in schedule.local_stages(rank)]
     stages = build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
                           defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute,
@@ -309,8 +311,10 @@ def share_local_embedding(stages: Sequence[DeepSeekV3Stage]) -> int:
     """Make every local stage that holds the embedding (the first stage's, the last stage's MTP input)
     use one ``nn.Embedding``: one parameter, whose gradient autograd sums over both uses, counted once in
     memory (the DeepSeek-V3 report shares it physically between the main model and MTP). Copies whose
-    values differ (a checkpoint whose MTP embedding is not the main one) are left as they are, tied by
-    the runtime. Returns how many copies now share. The runtime's tie of ``embed.weight`` with other
+    values differ (weights loaded into the stages separately, then changed on one) are left as they
+    are, tied by the runtime; stages on the meta device share (both are filled from the checkpoint's one
+    ``model.embed_tokens.weight``: the MTP layer's copy is not read, ``hf_names.from_hf_name``). Returns
+    how many copies now share. The runtime's tie of ``embed.weight`` with other
     ranks' copies counts a shared parameter once (``TiedSync``)."""
     holders = [st for st in stages if hasattr(st, "embed")]
     shared = 0
@@ -318,10 +322,15 @@ def share_local_embedding(stages: Sequence[DeepSeekV3Stage]) -> int:
         one = holders[0].embed
         if st.embed is one:
             continue
-        if st.embed.weight.shape == one.weight.shape and torch.equal(st.embed.weight.detach(), one.weight.detach()):
+        if st.embed.weight.shape == one.weight.shape and _same_values(st.embed.weight, one.weight):
             st.embed = one
             shared += 1
     return shared
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values; on the meta device (shapes only, filled later from one checkpoint key) always."""
+    return a.is_meta or b.is_meta or torch.equal(a.detach(), b.detach())
 
 
 def criterion_for(stages: Sequence[DeepSeekV3Stage], normalizer: Sequence[float] | None = None):
