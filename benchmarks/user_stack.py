@@ -32,7 +32,8 @@ The results go to ``benchmarks/results/user_stack.md`` (``--append`` adds a run,
 About 2 minutes on 2 cores with inductor's cache warm (the first compile of a fresh machine adds more).
 
     python benchmarks/user_stack.py [--quick] [--micro-batches 6] [--rows 32] [--hidden 256] [--steps 2]
-                                    [--rounds 6] [--only zbv,dualpipe] [--no-crash-check] [--append]
+                                    [--block plain|written-out] [--rounds 6] [--only zbv,dualpipe]
+                                    [--no-crash-check] [--append]
 """
 
 from __future__ import annotations
@@ -77,6 +78,29 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class WrittenOutBlock(nn.Module):
+    """The same block with its memory-bound ops written out as Hugging Face models write them: RMSNorm as
+    ``x * rsqrt(mean(x^2) + eps) * w`` (``LlamaRMSNorm``) and the tanh-approximated GELU as
+    ``0.5 u (1 + tanh(sqrt(2/pi) (u + 0.044715 u^3)))`` (``NewGELUActivation``). Eager runs each as a
+    chain of elementwise kernels over the 4h-wide tensor; inductor fuses each chain into one, so this is
+    the model on which compiling pays even on a CPU (``--block written-out``)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm_weight = nn.Parameter(torch.ones(hidden))
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        u = self.up(n)
+        g = 0.5 * u * (1.0 + torch.tanh(0.7978845608028654 * (u + 0.044715 * u.pow(3))))
+        return x + self.down(g)
+
+
+BLOCK_KINDS = {"plain": Block, "written-out": WrittenOutBlock}
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -405,7 +429,7 @@ def worker(rank, ranks, port, args, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=600))
     torch.manual_seed(0)
-    blocks = [Block(args.hidden) for _ in range(BLOCKS)]
+    blocks = [BLOCK_KINDS[args.block](args.hidden) for _ in range(BLOCKS)]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.micro_batches * args.rows, args.hidden, generator=g)
     y = torch.randn(args.micro_batches * args.rows, args.hidden, generator=g)
@@ -457,7 +481,8 @@ COLUMNS = ("runtime", "schedule", "forwards/block/step with AC", "mean", "eager 
 
 
 def title(args: argparse.Namespace) -> str:
-    return (f"{P} gloo ranks on CPU, 1 thread each, {BLOCKS} residual blocks (RMSNorm-Linear-GELU-Linear, hidden "
+    kind = "" if args.block == "plain" else ", RMSNorm and tanh-GELU written out as HF does"
+    return (f"{P} gloo ranks on CPU, 1 thread each, {BLOCKS} residual blocks (RMSNorm-Linear-GELU-Linear{kind}, hidden "
             f"{args.hidden}, 4x), {args.micro_batches} micro-batches of {args.rows} rows (ideal forwards/block/step "
             f"with AC: {2 * args.micro_batches}); step ms: median of {args.rounds}x{args.steps} steps (slowest rank)")
 
@@ -552,6 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer timed steps (a smoke run)")
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--block", choices=sorted(BLOCK_KINDS), default="plain",
+                   help="'written-out': RMSNorm and GELU as HF writes them (chains inductor fuses)")
     p.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
     p.add_argument("--micro-batches", type=int, default=6)
     p.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")

@@ -147,7 +147,7 @@ def best_command(result) -> str | None:
     """The demo command of the fastest runnable configuration that fits, if any."""
     for est in result.ranked:
         if est.runnable:
-            return demo_command(launch(est.strategy))
+            return demo_command(launch(est.strategy, result.memory_savers))
     return None
 
 

@@ -258,6 +258,22 @@ def build_on_meta(factory: Callable[[], nn.Module], *, dtype: torch.dtype | None
     return module
 
 
+def open_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> Checkpoint:
+    """A ``Checkpoint`` for a folder (or the one given)."""
+    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+
+
+def build_loaded(factory: Callable[[], nn.Module], checkpoint: str | os.PathLike | Checkpoint, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu", fp8: bool = False,
+                 to_checkpoint: Callable[[str], str] = lambda key: key) -> nn.Module:
+    """``factory()`` built on meta, given storage, optionally converted to FP8, then loaded with this module's
+    own tensors and nothing else. ``to_checkpoint``: our state-dict key -> the checkpoint's name (identity
+    for the families whose module names are transformers')."""
+    module = build_on_meta(factory, dtype=dtype, device=device, fp8=fp8)
+    load_module(module, open_checkpoint(checkpoint), to_checkpoint)
+    return module
+
+
 def materialize(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Give a module built on the meta device real (uninitialised) storage, non-persistent buffers zeroed:
     the loader overwrites every parameter and persistent buffer, so no init pass is wasted."""

@@ -8,7 +8,11 @@
 - ``Experts`` are one ``SwiGLUMLP`` per expert in a ``ModuleDict`` keyed by the *global* expert id, so
   the state-dict names are transformers' per-expert checkpoint names
   (``mlp.experts.7.gate_proj.weight``) and a shard's state dict is a subset of the full model's;
-- optional shared experts (DeepSeek, Qwen2-MoE) are a dense ``SwiGLUMLP`` added to the output.
+- optional shared experts (DeepSeek, Qwen2-MoE) are a dense ``SwiGLUMLP`` added to the output;
+- ``balance_coef`` > 0 adds the Switch load-balancing loss (``balance.switch_balance_loss`` on the router's
+  ``balance_probs``) times the coefficient in training, through ``balance.AuxLoss`` on the gate weights:
+  its gradient is injected in this layer's backward, whatever stage the layer is on. ``last_balance_loss``
+  keeps the latest (detached) value for a model that reports it in its loss.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.weight_kinds import set_weight_kind
+from .balance import AuxLoss, switch_balance_loss
 from .expert_parallel import EPDispatch, ep_size, local_expert_ids
 from .mlp import SwiGLUMLP
 from .router import Router, Routing
@@ -69,9 +74,12 @@ class MoEBlock(nn.Module):
     """``gate`` (the router) and ``experts.<id>`` (+ ``shared_expert``): transformers' names under ``mlp``."""
 
     def __init__(self, hidden: int, intermediate: int, router: Router, *, shared_intermediate: int = 0,
-                 ep_group: dist.ProcessGroup | None = None) -> None:
+                 ep_group: dist.ProcessGroup | None = None, balance_coef: float = 0.0) -> None:
         super().__init__()
         self.gate = router
+        self.balance_coef = float(balance_coef)
+        self.aux_loss_scale = 1.0  # the balance loss's gradient per backward (1/M when losses are averaged)
+        self.last_balance_loss: torch.Tensor | None = None
         self.num_experts = router.num_experts
         self.experts = Experts(hidden, intermediate, local_expert_ids(router.num_experts, ep_group))
         self.shared_expert = SwiGLUMLP(hidden, shared_intermediate) if shared_intermediate else None
@@ -84,6 +92,10 @@ class MoEBlock(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.flatten(0, -2)
         routing = self.gate(flat)
+        if self.balance_coef > 0 and self.training and torch.is_grad_enabled():
+            loss = self.balance_coef * switch_balance_loss(self.gate.balance_probs(routing.scores), routing.indices)
+            self.last_balance_loss = loss.detach()
+            routing = routing._replace(weights=AuxLoss.apply(routing.weights, loss, self.aux_loss_scale))
         rows, plan = self.dispatcher.dispatch(flat, routing)
         rows = self.experts.run(rows, plan.expert_rows)
         out = self.dispatcher.combine(rows, routing, plan, flat.size(0)).view(h.shape)

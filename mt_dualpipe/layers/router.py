@@ -6,9 +6,15 @@ the ``Routing``, so a router with another scoring plugs in without touching disp
 
 - ``SoftmaxTopKRouter`` (Qwen3-MoE, Mixtral, OLMoE): softmax over all experts, top-k, optionally
   renormalised over the k (``norm_topk_prob``).
-- DeepSeek-V3's sigmoid scores with a selection-only bias, group-limited top-k and ``routed_scaling_factor``
-  fit the same interface (``scores`` would carry the sigmoid scores the balance losses read); it is not
-  ported here yet (``integrations/deepseek_v3/moe.py`` ``Gate``).
+- ``SigmoidGroupLimitedRouter`` (DeepSeek-V3, ``topk_method="noaux_tc"``): sigmoid affinities, a
+  selection-only bias (``e_score_correction_bias``, moved by auxiliary-loss-free balancing), top-k inside
+  the best expert groups (``group_limited_topk``), gate weights the unbiased affinities renormalised and
+  times ``routed_scaling_factor``. DeepSeek-V3's own ``Gate`` (``integrations/deepseek_v3/moe.py``)
+  selects with the same ``group_limited_topk`` and adds what its runtime needs (device-limited routing,
+  the router-input saver, load counting).
+
+``Router.balance_probs(scores)`` gives the per-expert probabilities a balance loss averages: the softmax
+itself, or the sigmoid affinities normalised per token.
 
 The logits are ``F.linear`` in the input dtype; the softmax and the selection run in ``compute_dtype``;
 the gate weights come back in the input dtype.
@@ -49,8 +55,31 @@ class Router(nn.Module):
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def balance_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """(tokens, experts) probabilities for a balance loss (``layers.balance``); softmax scores as is."""
+        return scores
+
     def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
         return {"logits": self.num_experts, "probs": self.num_experts, "topk": 2 * self.top_k}
+
+
+def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int,
+                       group_score: str = "top2") -> torch.Tensor:
+    """Expert ids (tokens, k): the experts split into ``n_groups`` equal groups, each scored by the sum of
+    its two best ``choice`` values (``"top2"``, DeepSeek-V3) or its best (``"max"``, DeepSeek-V2), the
+    ``topk_groups`` best groups kept, top-k inside them. One group: plain top-k."""
+    if n_groups <= 1:
+        return choice.topk(top_k, dim=-1).indices
+    grouped = choice.view(choice.size(0), n_groups, -1)
+    if group_score == "top2":
+        score = grouped.topk(2, dim=-1).values.sum(-1)
+    elif group_score == "max":
+        score = grouped.amax(dim=-1)
+    else:
+        raise ValueError(f"group_score must be 'top2' or 'max', got {group_score!r}")
+    best = score.topk(topk_groups, dim=-1).indices
+    keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1).topk(top_k, dim=-1).indices
 
 
 class SoftmaxTopKRouter(Router):
@@ -67,3 +96,37 @@ class SoftmaxTopKRouter(Router):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+class SigmoidGroupLimitedRouter(Router):
+    """DeepSeek-V3's routing (report §2.1.2): s = sigmoid(u·e); experts picked by s + bias inside the best
+    ``topk_groups`` of ``n_groups`` groups; gate weights s of the picked experts, renormalised over the k
+    (``norm_topk_prob``) and times ``route_scale``. The bias is a buffer (no gradient): auxiliary-loss-free
+    balancing moves it between steps."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, n_groups: int = 1, topk_groups: int = 1,
+                 route_scale: float = 1.0, norm_topk_prob: bool = True) -> None:
+        super().__init__(hidden, num_experts, top_k)
+        if n_groups < 1 or num_experts % n_groups or not 0 < topk_groups <= n_groups:
+            raise ValueError(f"n_group ({n_groups}) must divide n_routed_experts ({num_experts}) and topk_group "
+                             f"({topk_groups}) must be in 1..n_group")
+        self.n_groups, self.topk_groups = n_groups, topk_groups
+        self.route_scale, self.norm_topk_prob = route_scale, norm_topk_prob
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = logits.sigmoid()
+        with torch.no_grad():
+            choice = scores + self.e_score_correction_bias.to(scores.dtype)
+            indices = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups)
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.route_scale, indices, scores
+
+    def balance_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores / scores.sum(-1, keepdim=True)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, groups={self.topk_groups}/{self.n_groups}, "
+                f"route_scale={self.route_scale}")

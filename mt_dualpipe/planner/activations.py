@@ -29,7 +29,7 @@ deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies 
   combine the unsort index, the weights and the gathered expert outputs.
 
 Recompute policies: ``"selective"`` for MLA (DeepSeek-V3) recomputes MLA from its latents
-(``integrations.deepseek_v3.mla.MLA.attend``: the latents' RMSNorms, the up-projections, RoPE and
+(``layers.mla.MLAttention.attend``: the latents' RMSNorms, the up-projections, RoPE and
 the core attention; report §3.2.3): the attention norm, the down-projections' input, the two
 latents and the output projection's input stay, q/k/v and the probabilities do not (a fused core
 keeps its log-sum-exp as well and re-runs only the up-projections: its backward rebuilds the
@@ -136,7 +136,7 @@ def rms_norm(d: int, t: Dtypes, input_saved: bool = False) -> float:
     """Float32 input, normalised input and the reciprocal RMS of one RMSNorm over ``d`` features.
     ``input_saved``: the input is already counted elsewhere, which is its float32 view only in a
     float32 model (otherwise the norm keeps its own upcast copy). With the ``"norm"`` saver the norm
-    keeps its input only (``mla.RMSNorm(recompute=True)``), nothing if that is counted elsewhere."""
+    keeps its input only (``layers.norm.RMSNorm(recompute=True)``), nothing if that is counted elsewhere."""
     if t.saves("norm"):
         return 0.0 if input_saved else d * t.elem
     upcast = 0.0 if input_saved and t.elem == t.comp else d * t.comp
@@ -158,7 +158,7 @@ def core_attention(heads: int, dqk: int, v_store: int, seq: int, mbs: int, t: Dt
     """QKᵀ operands, probabilities (compute dtype, plus a model-dtype copy), the causal mask and the
     storage the ·V einsum's v lives in (``v_store`` elements per token). A fused (flash) core keeps
     q, k, v and one log-sum-exp per head instead of the probabilities and the mask; the ``"attention"``
-    saver (``mla._RecomputedCore``) keeps q, k and a contiguous v, and rebuilds the rest in B."""
+    saver (``layers.attention_core``, ``"recomputed"``) keeps q, k and a contiguous v, and rebuilds the rest in B."""
     if t.fused_attention or t.saves("attention"):
         return heads * (2 * dqk + v_store // heads) * t.elem + (heads * t.comp if t.fused_attention else 0.0)
     probs = heads * seq * (t.comp + (t.elem if t.elem != t.comp else 0.0))

@@ -49,6 +49,7 @@ bytes. The point-to-point hop sends one micro-batch's hidden states.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -111,7 +112,8 @@ class Estimate:
     def runnable(self) -> bool:
         return not self.unrunnable
 
-    def to_dict(self) -> dict:
+    def to_dict(self, memory_savers: Iterable[str] = ()) -> dict:
+        """The estimate as JSON data; ``memory_savers``: the plan's savers, which its launch tuple carries."""
         s = self.strategy
         return {"pp": s.pp, "schedule": s.schedule, "placement": s.placement or None,
                 "virtual_stages": s.virtual_stages,
@@ -128,7 +130,7 @@ class Estimate:
                 "memory_terms": [{"part": t.part, "name": t.name, "gb": round(t.gb, 3), "formula": t.formula,
                                   "kept_by": t.kept_by} for t in self.memory_terms],
                 "fits": self.fits, "note": self.note,
-                "launch": launch(s), "runnable": self.runnable, "unrunnable": self.unrunnable}
+                "launch": launch(s, memory_savers), "runnable": self.runnable, "unrunnable": self.unrunnable}
 
 
 # ----- model cut ---------------------------------------------------------------------------------

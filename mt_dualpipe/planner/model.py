@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from pathlib import Path
 
@@ -367,13 +367,13 @@ class ModelSpec:
         items = self.items(4096)
         total = sum(i.params + i.expert_params for i in items)
         if not include_mtp and self.mtp_depth:
-            plain = ModelSpec(**{**self.__dict__, "mtp_depth": 0})
+            plain = replace(self, mtp_depth=0)
             total = sum(i.params + i.expert_params for i in plain.items(4096))
         return total
 
     def activated_params(self) -> float:
         """Parameters one token's forward touches (embedding and head included, MTP excluded)."""
-        plain = ModelSpec(**{**self.__dict__, "mtp_depth": 0})
+        plain = replace(self, mtp_depth=0)
         return sum(i.mm_flops for i in plain.items(4096)) / 2 + self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -25,6 +25,8 @@ runtime's tensor-parallel stages are dense ones (the DeepSeek-V3 stages shard ex
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
 from .strategy import Strategy, schedule_options
 
@@ -59,13 +61,21 @@ def dp_mode(strategy: Strategy) -> str:
     return mode_for_zero_stage(strategy.zero).name
 
 
-def launch(strategy: Strategy) -> dict:
+CORE_ATTENTION = {"fused": "flash", "eager": "eager"}
+"""The planner's attention kind -> the runtime's ``core_attention`` that keeps what it counts (the flash-style
+MLA core keeps q, k, v, the output and one log-sum-exp per head: ``layers/flash_core.py``)."""
+
+
+def launch(strategy: Strategy, memory_savers: Iterable[str] = ()) -> dict:
     """The launchable tuple ``(pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute)`` in the
-    runtime's terms, plus the schedule's build options and the micro-batch size."""
+    runtime's terms, plus the schedule's build options, the micro-batch size, the core attention the
+    estimate counted and the activation savers it counted (``memory_savers``, the plan's)."""
     return {"pp": strategy.pp, "dp": strategy.dp // strategy.ep, "ep": strategy.ep, "tp": strategy.tp,
             "schedule": strategy.schedule, "microbatches": strategy.num_microbatches,
             "dp_mode": dp_mode(strategy), "recompute": strategy.recompute,
-            "schedule_options": schedule_options(strategy), "micro_batch_size": strategy.micro_batch_size}
+            "schedule_options": schedule_options(strategy), "micro_batch_size": strategy.micro_batch_size,
+            "core_attention": CORE_ATTENTION[strategy.attention],
+            "memory_savers": ",".join(sorted(memory_savers)) or "none"}
 
 
 DEMO = "examples/deepseek_v3_repro.py"
@@ -87,6 +97,10 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
         words += ["--virtual-stages", virtual]
     if launch.get("micro_batch_size"):
         words += ["--micro-batch-size", launch["micro_batch_size"]]
+    if launch.get("core_attention", "eager") != "eager":
+        words += ["--core-attention", launch["core_attention"]]
+    if launch.get("memory_savers", "none") != "none":
+        words += ["--memory-savers", launch["memory_savers"]]
     return " ".join(str(w) for w in words)
 
 

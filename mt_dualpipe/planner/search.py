@@ -45,10 +45,12 @@ class PlanResult:
     def to_dict(self, top: int = 20) -> dict:
         return {"format": "mt-dualpipe.plan/1", "model": self.model.name, "system": self.system.name,
                 "gpus": self.gpus, "global_batch": self.global_batch,
-                "configurations": [e.to_dict() for e in self.ranked[:top]],
-                "over_memory": [e.to_dict() for e in sorted(self.rejected, key=lambda e: e.step_time)[:top]],
+                "memory_savers": sorted(self.memory_savers),
+                "configurations": [e.to_dict(self.memory_savers) for e in self.ranked[:top]],
+                "over_memory": [e.to_dict(self.memory_savers)
+                                for e in sorted(self.rejected, key=lambda e: e.step_time)[:top]],
                 "skipped": self.skipped, "not_runnable_left_out": self.not_runnable,
-                "reference": self.reference.to_dict() if self.reference else None,
+                "reference": self.reference.to_dict(self.memory_savers) if self.reference else None,
                 "reference_rank": self.reference_rank, "verdict": self.verdict}
 
 

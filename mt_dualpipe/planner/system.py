@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from dataclasses import replace as _replace
 from pathlib import Path
 
 from ..schedules.errors import ScheduleError
@@ -143,7 +144,7 @@ class SystemSpec:
                                 f"accelerator.op.matmul.tflops, networks.inter_node.bandwidth.gbps): {exc}") from exc
 
     def replace(self, **kw: object) -> SystemSpec:
-        return SystemSpec(**{**self.__dict__, **{k: v for k, v in kw.items() if v is not None}})
+        return _replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 HOPPER_BF16 = 0.66  # achieved BF16 GEMM fraction on H100/H800/H200 (module doc: Transformer Engine / cuBLAS figures)

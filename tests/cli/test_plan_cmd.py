@@ -89,7 +89,7 @@ def test_cli_plan_json_carries_the_launch_tuple_and_marks_unrunnable(tmp_path, c
     for c in data["configurations"]:
         launch = c["launch"]
         assert set(launch) == {"pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute",
-                               "schedule_options", "micro_batch_size"}
+                               "schedule_options", "micro_batch_size", "core_attention", "memory_savers"}
         assert launch["pp"] * launch["dp"] * launch["ep"] * launch["tp"] == 512
         assert (launch["dp"] * launch["ep"], launch["schedule"], launch["microbatches"]) == \
             (c["dp"], c["schedule"], c["num_microbatches"])

@@ -212,13 +212,14 @@ def test_mtp_follows_the_released_convention():
 def test_precision_follows_the_model_dtype():
     """float64 model: RoPE, router scores and softmax in float64 (what lets the logits above agree to
     1e-12); bf16 / fp32 models keep float32 for them."""
-    from mt_dualpipe.integrations.deepseek_v3.mla import compute_dtype, rope_angles
+    from mt_dualpipe.integrations.deepseek_v3.mla import compute_dtype
     from mt_dualpipe.integrations.deepseek_v3.moe import Gate
+    from mt_dualpipe.layers import cos_sin
 
     config = DeepSeekV3Config.from_hf(hf_config(True).to_dict())
     assert [compute_dtype(torch.zeros(1, dtype=d)) for d in (torch.float64, torch.float32, torch.bfloat16)] == \
         [torch.float64, torch.float32, torch.float32]
-    cos, _ = rope_angles(8, 8, 10000.0, torch.device("cpu"), torch.float64, config.rope_scaling)
+    cos, _ = cos_sin(8, 8, config.rope_spec, torch.float64)
     assert cos.dtype == torch.float64
     gate = Gate(config)
     torch.nn.init.normal_(gate.weight)

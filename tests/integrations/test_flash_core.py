@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
-from mt_dualpipe.integrations.deepseek_v3 import flash_core as fc
-from mt_dualpipe.integrations.deepseek_v3.mla import eager_core
 from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
+from mt_dualpipe.layers import flash_core as fc
+from mt_dualpipe.layers.attention_core import eager_core
 from mt_dualpipe.planner import ModelSpec
 
 torch.set_num_threads(1)

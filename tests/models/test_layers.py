@@ -95,3 +95,65 @@ def test_sync_replicas_sums_the_copies_of_a_name_on_this_rank():
     assert torch.equal(first.embed.weight.grad, 3 * torch.ones(4, 3))
     assert torch.equal(last.embed.weight.grad, 3 * torch.ones(4, 3))
     assert torch.equal(last.head.weight.grad, torch.zeros(2, 3))
+
+
+def test_init_normal_gives_deferred_linears_zero_biases_and_normal_weights():
+    """Under ``deferred_init`` nn.Linear skips its own init (its memory is whatever ``empty`` held):
+    ``init_normal`` sets weights ~ N(0, std) and biases to zero, as transformers' ``_init_weights``."""
+    from mt_dualpipe.layers import deferred_init, init_normal
+
+    with deferred_init():
+        lin = torch.nn.Linear(64, 512)
+    lin.bias.data.fill_(float("nan"))  # what uninitialised memory may hold
+    torch.manual_seed(0)
+    init_normal(lin, 0.02)
+    assert torch.equal(lin.bias, torch.zeros(512))
+    assert abs(lin.weight.std().item() - 0.02) < 1e-3 and abs(lin.weight.mean().item()) < 1e-3
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_recomputed_rms_norm_keeps_only_its_input_and_gives_the_same_gradients(fused):
+    """bf16: ``recompute`` keeps the input alone and re-runs the same ``rms_norm`` in B (bit-equal gradients);
+    ``fused`` is one ``F.rms_norm`` in bf16, the default transformers' order (float32 normalise, then weight)."""
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter
+    from mt_dualpipe.layers import RMSNorm
+
+    x0 = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        norm = RMSNorm(64, 1e-6, recompute, fused).bfloat16()
+        torch.nn.init.normal_(norm.weight, 1.0, 0.1, generator=torch.Generator().manual_seed(1))
+        x = x0.clone().requires_grad_()
+        meter = SavedActivationMeter(exclude=[norm.weight])
+        with meter.measure():
+            y = norm(x)
+        kept = meter.live
+        y.float().square().sum().backward()
+        results.append((y.detach(), x.grad, norm.weight.grad, kept))
+    (y0, gx0, gw0, kept0), (y1, gx1, gw1, kept1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
+    assert kept1 == x0.numel() * 2 and kept0 > kept1  # the bf16 input alone (the weight is a parameter)
+    hf_order = (torch.nn.functional.rms_norm(x0.float(), (64,), None, 1e-6).bfloat16() * norm.weight.detach())
+    assert torch.equal(y0, hf_order) is (not fused)
+
+
+def test_mla_cores_agree_and_an_unknown_core_is_refused():
+    """The shared MLA with the three core footprints: ``recomputed`` bit-equal to ``eager`` (outputs and
+    gradients), ``flash`` equal to rounding (float64)."""
+    from mt_dualpipe.layers.mla import MLAttention
+
+    kw = dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+              rope=RopeSpec(10000.0), softmax_scale=12 ** -0.5)
+    x0 = torch.randn(2, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for core in ("eager", "recomputed", "flash"):
+        torch.manual_seed(0)
+        mla = MLAttention(32, 3, core=core, **kw).double()
+        x = x0.clone().requires_grad_()
+        y = mla(x)
+        y.square().sum().backward()
+        out[core] = [y.detach(), x.grad] + [p.grad for p in mla.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(out["eager"], out["recomputed"]))
+    assert all(relative_error(a, b) < 1e-12 for a, b in zip(out["flash"], out["eager"]))
+    with pytest.raises(ValueError, match="core attention must be one of eager, recomputed, flash, got 'sdpa'"):
+        MLAttention(32, 3, core="sdpa", **kw)

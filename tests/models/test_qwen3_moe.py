@@ -173,13 +173,17 @@ def masked(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _pipeline_worker(rank: int, world: int, schedule: str, policy: str, normalize: bool = False) -> dict:
+BALANCE = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+
+
+def _pipeline_worker(rank: int, world: int, schedule: str, policy: str, normalize: bool = False,
+                     balance: bool = False) -> dict:
     from mt_dualpipe import Pipeline
     from mt_dualpipe.schedules.registry import build_schedule
 
     torch.set_num_threads(1)
     sched = build_schedule(schedule, world, NUM_MB)
-    config = Qwen3MoeConfig.preset("tiny")
+    config = Qwen3MoeConfig.preset("tiny", **(BALANCE if balance else {}))
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).double()
     mods = stages_for_rank(config, sched, rank, source=model, dtype=torch.float64, recompute=policy)
@@ -225,9 +229,12 @@ def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_tok
     assert max(relative_error(per_micro_batch[n] / NUM_MB, want[n]) for n in want) > 1e-2
 
 
-@pytest.mark.parametrize("schedule, policy", [("zbv", "none"), ("dualpipev", "none"), ("zbv", "selective")])
-def test_pipeline_gradients_equal_one_process(schedule, policy):
-    config = Qwen3MoeConfig.preset("tiny")
+@pytest.mark.parametrize("schedule, policy, balance", [("zbv", "none", False), ("dualpipev", "none", True),
+                                                       ("zbv", "selective", False)])
+def test_pipeline_gradients_equal_one_process(schedule, policy, balance):
+    """With ``balance`` the MoE layers' load-balancing losses (``output_router_logits``) inject their
+    gradients on whichever stage the layer is: still equal to one process."""
+    config = Qwen3MoeConfig.preset("tiny", **(BALANCE if balance else {}))
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).double()
     x, y = batch(config)
@@ -235,13 +242,20 @@ def test_pipeline_gradients_equal_one_process(schedule, policy):
         model(xm, ym).backward()
     want = {n: p.grad for n, p in model.named_parameters()}
     got: dict[str, torch.Tensor] = {}
-    for res in run_ranks(_pipeline_worker, 2, schedule, policy, timeout=300):
+    for res in run_ranks(_pipeline_worker, 2, schedule, policy, False, balance, timeout=300):
         assert res["closures"] > 0  # weight gradients deferred to W (DeferredLinear)
         for n, g in res["grads"].items():
             got[n] = got[n] + g if n in got else g
     assert sorted(got) == sorted(n for n, g in want.items() if g is not None)
     assert all(want[n].abs().max() > 0 for n in got)
     worst = max(relative_error(got[n], want[n]) for n in got)
+    if balance:  # the balance losses changed the router's gradients: they did reach the pipeline's
+        plain = Qwen3MoeForCausalLM(Qwen3MoeConfig.preset("tiny")).double()
+        plain.load_state_dict(model.state_dict())
+        for xm, ym in zip(torch.tensor_split(x, NUM_MB), torch.tensor_split(y, NUM_MB)):
+            plain(xm, ym).backward()
+        gate = "model.layers.1.mlp.gate.weight"
+        assert relative_error(got[gate], plain.get_parameter(gate).grad) > 1e-3
     print(f"{schedule} ({policy}): worst per-parameter relative gradient difference vs one process: {worst:.3e}")
     assert worst < 1e-12, worst
 

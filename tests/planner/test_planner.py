@@ -29,6 +29,20 @@ def test_deepseek_v3_published_sizes(v3):
     assert v3.layer_num == 61 and v3.expert_num == 256 and v3.topk == 8
 
 
+def test_parameter_counts_work_on_a_spec_subclass_with_its_own_fields(v3):
+    """``total_params`` / ``activated_params`` drop the MTP module by ``dataclasses.replace``, which keeps
+    a subclass and its extra fields (rebuilding a ``ModelSpec`` from ``__dict__`` would not)."""
+    from dataclasses import dataclass, fields
+
+    @dataclass
+    class Tagged(ModelSpec):
+        tag: str = ""
+
+    tagged = Tagged(**{f.name: getattr(v3, f.name) for f in fields(v3)}, tag="x")
+    assert tagged.total_params() == v3.total_params()
+    assert tagged.activated_params() == v3.activated_params()
+
+
 def test_tiny_deepseek_parameter_count_matches_the_model():
     torch = pytest.importorskip("torch")
     ds = pytest.importorskip("mt_dualpipe.integrations.deepseek_v3")

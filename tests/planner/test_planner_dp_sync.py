@@ -113,7 +113,8 @@ def test_launch_tuple_in_the_runtimes_terms(v3):
     d = estimate(v3, H800, st).to_dict()
     assert d["launch"] == {"pp": 16, "dp": 2, "ep": 64, "tp": 1, "schedule": "dualpipe", "microbatches": 120,
                            "dp_mode": "zero1", "recompute": "selective", "schedule_options": {},
-                           "micro_batch_size": 1}
+                           "micro_batch_size": 1, "core_attention": "flash", "memory_savers": "none"}
+    assert estimate(v3, H800, st).to_dict({"norm", "swiglu"})["launch"]["memory_savers"] == "norm,swiglu"
     L = d["launch"]
     assert L["pp"] * L["dp"] * L["ep"] * L["tp"] == st.gpus == 2048
     assert d["runnable"] is True and d["unrunnable"] == []  # the runtime applies selective recompute

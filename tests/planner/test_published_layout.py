@@ -50,6 +50,14 @@ def test_the_published_layout_fits_and_is_runnable(published):
     assert "rank 1 of 16 is the fullest" in text and "rank 0 (the embedding's): weights 12.94" in text
     assert "FP8Linear's cached E4M3 weight" in text and "sharded by zero1" in text
     assert "DeepSeek-V3's activation savers attention, combine, loss, mla_input, norm, router, swiglu" in text
+    # the miniature's command runs what was counted: the flash-style core and every saver
+    from mt_dualpipe.planner.runnable import demo_command
+
+    entry = result.to_dict()["configurations"][0]
+    assert entry["launch"]["core_attention"] == "flash"
+    assert entry["launch"]["memory_savers"] == "attention,combine,loss,mla_input,norm,router,swiglu"
+    assert demo_command(entry["launch"]).endswith(
+        "--core-attention flash --memory-savers attention,combine,loss,mla_input,norm,router,swiglu")
 
 
 def _attention() -> int:

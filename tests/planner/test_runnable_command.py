@@ -42,6 +42,12 @@ def test_demo_command_spells_every_knob():
     inter = demo_command(_launch(schedule="interleaved-1f1b", schedule_options={"virtual_stages": 3},
                                  dp_mode="allreduce"))
     assert "--schedule interleaved-1f1b" in inter and inter.endswith("--virtual-stages 3 --micro-batch-size 1")
+    # the core attention and the activation savers the estimate counted travel with the command
+    full = demo_command(_launch(ep=16, core_attention="flash", memory_savers="attention,combine,norm,router,swiglu"))
+    assert full.endswith("--micro-batch-size 1 --core-attention flash --memory-savers attention,combine,norm,router,"
+                         "swiglu")
+    args = _demo().parse_args(shlex.split(full)[2:])
+    assert (args.core_attention, args.memory_savers) == ("flash", "attention,combine,norm,router,swiglu")
     # what the demo cannot take: a searched schedule's placement, tensor parallelism
     assert demo_command(_launch(schedule="auto", schedule_options={"placement": "v"})) is None
     assert demo_command(_launch(tp=2)) is None

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ...layers.rope import RopeSpec
 from ..balancing import PRIORITIES, strategy_overrides
 from .hf_config import config_kwargs_from_hf, config_to_hf, read_config_json
 from .yarn import YarnScaling
@@ -23,7 +24,7 @@ MEMORY_SAVERS = ("norm", "swiglu", "combine", "router", "attention", "loss", "ml
 switch (``DeepSeekV3Config.memory_savers``; ``"all"`` names every one). What each keeps for backward
 is counted with the same rule by the planner (``planner/activations.py``):
 
-- ``norm``: every block/MLA/MTP RMSNorm keeps only its input and is recomputed in B (``mla.RMSNorm``);
+- ``norm``: every block/MLA/MTP RMSNorm keeps only its input and is recomputed in B (``layers.norm.RMSNorm``);
 - ``swiglu``: each SwiGLU (dense FFN, routed and shared experts) keeps only its two inputs, in E4M3
   with 1×128 scales when its linears are FP8, and recomputes silu(gate)·up in B (``moe.SwiGLU``);
 - ``combine``: the gate weight multiplies the SwiGLU output before the down-projection, so the combine
@@ -42,7 +43,7 @@ TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 CORE_ATTENTION = ("eager", "flash")
 """MLA's core attention (``DeepSeekV3Config.core_attention``): ``eager`` (einsum, softmax, einsum: autograd
 keeps the S×S probabilities, or only q, k, v with the ``attention`` saver) or ``flash``
-(``flash_core.FlashCore``: q, k, v, the output and one log-sum-exp per head, what the planner counts as
+(``layers.flash_core``: q, k, v, the output and one log-sum-exp per head, what the planner counts as
 ``fused`` attention, its default)."""
 
 _YARN_671B = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
@@ -236,6 +237,15 @@ class DeepSeekV3Config:
     def is_moe_layer(self, layer_id: int) -> bool:
         """Layers ``0..n_dense_layers-1`` are dense; later ones, MTP blocks included, are MoE."""
         return layer_id >= self.n_dense_layers
+
+    @property
+    def rope_spec(self) -> RopeSpec:
+        """The rotary embedding as the shared layer's ``RopeSpec``: plain, or YaRN with every field of
+        ``rope_scaling`` (the same frequencies and cos/sin factor)."""
+        if self.rope_scaling is None:
+            return RopeSpec(self.rope_theta)
+        yarn = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
+        return RopeSpec(self.rope_theta, "yarn", tuple(sorted(yarn.items())))
 
     @property
     def softmax_scale(self) -> float:

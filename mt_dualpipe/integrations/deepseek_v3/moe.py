@@ -26,6 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ...layers.balance import AuxLoss
+from ...layers.common import compute_dtype
+from ...layers.norm import rms_norm
+from ...layers.router import group_limited_topk
 from ...parallel.weight_kinds import set_weight_kind
 from ..balancing import batch_balance_loss, bias_update, capacity_keep, device_limited_mask, sequence_balance_loss
 from ..fp8.linear import FP8Linear, fp8_swiglu_down
@@ -40,7 +44,6 @@ from .expert_parallel import (
     fp8_all_to_all,
     plan_dispatch,
 )
-from .mla import compute_dtype
 
 
 def set_aux_loss_scale(module: nn.Module | Sequence[nn.Module], scale: float) -> int:
@@ -52,21 +55,6 @@ def set_aux_loss_scale(module: nn.Module | Sequence[nn.Module], scale: float) ->
     for m in layers:
         m.aux_loss_scale = float(scale)
     return len(layers)
-
-
-class AuxLoss(torch.autograd.Function):
-    """Identity on ``x``; in backward also gives ``aux`` the gradient ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -201,9 +189,9 @@ class _RouterLogits(torch.autograd.Function):
     micro-batch). B re-runs the casts and the GEMM and differentiates them, so the gradients are
     bit-equal to eager's at the cost of one more router GEMM (tokens × dim × experts).
 
-    ``source`` (the input is the output of a recomputed RMSNorm, ``mla.RMSNorm``): keep the norm's input
+    ``source`` (the input is the output of a recomputed RMSNorm, ``layers.norm.RMSNorm``): keep the norm's input
     (which the norm keeps anyway: one storage) and the norm weight instead of the input, and rebuild
-    the input in B with the same ``F.rms_norm`` call (bit-identical to the forward's)."""
+    the input in B with the same ``layers.norm.rms_norm`` call (bit-identical to the forward's)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cdt: torch.dtype, source: tuple | None) -> torch.Tensor:
@@ -211,7 +199,7 @@ class _RouterLogits(torch.autograd.Function):
             ctx.save_for_backward(x, weight)
         else:
             ctx.save_for_backward(source[0], weight, source[1])
-            ctx.eps, ctx.x_shape = source[2], x.shape
+            ctx.eps, ctx.fused, ctx.x_shape = source[2], source[3], x.shape
         ctx.from_norm, ctx.cdt = source is not None, cdt
         return F.linear(x.to(cdt), weight.to(cdt))
 
@@ -219,7 +207,7 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         if ctx.from_norm:
             norm_in, weight, norm_w = ctx.saved_tensors
-            x = F.rms_norm(norm_in, (norm_in.size(-1),), norm_w, ctx.eps).view(ctx.x_shape)
+            x = rms_norm(norm_in, norm_w, ctx.eps, ctx.fused).view(ctx.x_shape)
         else:
             x, weight = ctx.saved_tensors
         with torch.enable_grad():
@@ -263,20 +251,12 @@ class Gate(nn.Module):
         if self.device_limit:  # device-/node-limited routing takes the place of the expert groups
             keep = device_limited_mask(choice, self.device_groups, self.device_limit, self.topk)
             return choice.masked_fill(~keep, float("-inf")).topk(self.topk, dim=-1).indices
-        if self.n_groups > 1:
-            grouped = choice.view(scores.size(0), self.n_groups, -1)
-            if self.topk_method == "noaux_tc":
-                group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            else:
-                group_score = grouped.amax(dim=-1)
-            best_groups = group_score.topk(self.topk_groups, dim=-1).indices
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        return choice.topk(self.topk, dim=-1).indices
+        group_score = "top2" if self.topk_method == "noaux_tc" else "max"
+        return group_limited_topk(choice, self.topk, self.n_groups, self.topk_groups, group_score)
 
     def forward(self, x: torch.Tensor, source: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> gate weights (tokens, k), expert ids (tokens, k), affinities (tokens, experts).
-        ``source``: (input, weight, eps) of the recomputed RMSNorm whose output ``x`` is (``"router"`` saver)."""
+        ``source``: (input, weight, eps, fused) of the recomputed RMSNorm whose output ``x`` is (``"router"`` saver)."""
         counting = self.training and torch.is_grad_enabled()  # training forwards only, not evaluation
         cdt = compute_dtype(x)
         if self.keep_input and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):

@@ -145,6 +145,13 @@ class FP8Linear(nn.Linear):
         """The GEMM this layer runs on its weight's device: ``scaled_mm`` or ``emulated``."""
         return resolve_gemm(self.weight.device, self.backend)[0]
 
+    @staticmethod
+    def quantize_input(x: torch.Tensor) -> QTensor:
+        """``x`` quantised as ``forward``'s ``xq`` wants it (1×128 tiles of ``x`` as 2-D, no gradient): how a
+        module that feeds one input to several FP8 linears (``layers.mla``) shares one FP8 copy, without
+        importing this module."""
+        return quantize_tiles(x.detach().reshape(-1, x.shape[-1]))
+
     def forward(self, x: torch.Tensor, xq: QTensor | None = None) -> torch.Tensor:
         """``xq``: ``x`` already quantised in 1×128 tiles (``quantize_tiles`` of ``x`` as 2-D), e.g. shared by
         the two up-projections of a SwiGLU, so the FP8 copy kept for the weight gradient is stored once."""

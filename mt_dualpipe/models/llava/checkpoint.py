@@ -29,11 +29,11 @@ from ...integrations.hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     CheckpointError,
-    build_on_meta,
-    load_module,
+    open_checkpoint,
     prepare_tensors,
     save_tensors,
 )
+from ...integrations.hf_checkpoint import build_loaded as _build_loaded
 
 OURS = {"vision": "model.vision_tower.", "projector": "model.multi_modal_projector.",
         "text": "model.language_model.", "head": "lm_head."}
@@ -75,18 +75,13 @@ class KeyLayout:
         raise CheckpointError(f"{key} belongs to no LLaVA part ({sorted(OURS.values())})")
 
 
-def open_checkpoint(checkpoint: str | os.PathLike | Checkpoint) -> Checkpoint:
-    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-
-
 def build_loaded(factory: Callable[[], nn.Module], checkpoint: str | os.PathLike | Checkpoint, *,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> nn.Module:
     """Build on meta, give storage, load this module's own tensors (and nothing else) in the
     checkpoint's layout."""
     ckpt = open_checkpoint(checkpoint)
-    module = build_on_meta(factory, dtype=dtype, device=device)
-    load_module(module, ckpt, KeyLayout.detect(ckpt.names()).to_checkpoint)
-    return module
+    return _build_loaded(factory, ckpt, dtype=dtype, device=device,
+                         to_checkpoint=KeyLayout.detect(ckpt.names()).to_checkpoint)
 
 
 def save_weights(model: nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None,

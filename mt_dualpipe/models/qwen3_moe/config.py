@@ -3,6 +3,9 @@
 A layer is sparse (an MoE block) when it is not in ``mlp_only_layers``, there are experts, and
 ``(layer + 1) % decoder_sparse_step == 0``; otherwise it has a dense SwiGLU of ``intermediate_size``.
 Unsupported fields (attention bias, sliding window, another activation) are refused, not ignored.
+
+``output_router_logits`` switches the load-balancing loss on, as in transformers: each MoE layer adds
+``router_aux_loss_coef`` x its Switch loss / the number of MoE layers (``balance_coef``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Qwen3MoeConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -46,6 +50,13 @@ class Qwen3MoeConfig:
                              f"({self.num_experts})")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    @property
+    def balance_coef(self) -> float:
+        """Each MoE layer's weight on its balance loss: the coefficient averaged over the MoE layers (0 when
+        ``output_router_logits`` is off, transformers' default)."""
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        return self.router_aux_loss_coef / moe if self.output_router_logits and moe else 0.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return (layer not in self.mlp_only_layers and self.num_experts > 0
@@ -96,6 +107,7 @@ class Qwen3MoeConfig:
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             initializer_range=float(data.get("initializer_range", 0.02)),
             router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.001)),
+            output_router_logits=bool(data.get("output_router_logits", False)),
         )
         return cls(**{**kwargs, **overrides})
 

@@ -45,7 +45,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.is_moe_layer(index):
             router = SoftmaxTopKRouter(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
-            self.mlp: nn.Module = MoEBlock(c.hidden_size, c.moe_intermediate_size, router, ep_group=ep_group)
+            self.mlp: nn.Module = MoEBlock(c.hidden_size, c.moe_intermediate_size, router, ep_group=ep_group,
+                                           balance_coef=c.balance_coef)
         else:
             self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
 
@@ -109,12 +110,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) without labels; the mean next-token loss with them."""
+        """Logits (batch, seq, vocab) without labels; with them the mean next-token loss, plus (training with
+        ``output_router_logits``) the MoE layers' balance losses, whose gradients the layers inject
+        themselves (``layers.balance.AuxLoss``): here they are added as values only."""
         h = self.model.embed_tokens(tokens)
         for layer in self.model.layers.values():
             h = layer(h)
         out = logits(self.model.norm(h), self.head_weight())
-        return out if labels is None else lm_loss(out, labels)
+        if labels is None:
+            return out
+        loss = lm_loss(out, labels)
+        if self.training and torch.is_grad_enabled() and self.config.balance_coef > 0:
+            loss = loss + sum(m.last_balance_loss for m in self.modules() if isinstance(m, MoEBlock))
+        return loss
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -2,7 +2,7 @@
 log-sum-exp per head and query, and rebuilds the probabilities in B, one block of queries at a time.
 
 This is the footprint the planner calls ``fused_attention`` (``planner/activations.py``) and what
-DeepSeek-V3's production kernels keep; the eager core (``mla.eager_core``) keeps the S×S
+DeepSeek-V3's production kernels keep; the eager core (``attention_core.eager_core``) keeps the S×S
 probabilities (float32 and a model-dtype copy) and the mask instead.
 
 Why not ``torch.nn.functional.scaled_dot_product_attention``: MLA's value head dim differs from its
@@ -12,7 +12,7 @@ attention requires q,k,v to have the same last dimension"). Padding v to 192 wou
 v and run a third more ·V work. This function takes any head dims, on any device.
 
 Numerics: scores, the softmax and both products run in the compute dtype the caller gives
-(``mla.compute_dtype``: float64 for a float64 model, else float32), so a float64 model's logits equal
+(``common.compute_dtype``: float64 for a float64 model, else float32), so a float64 model's logits equal
 the eager core's and transformers' to rounding (not bit-equal: the ·V product sums in another order).
 Blocks of ``QUERY_BLOCK`` queries bound the transient memory (block × seq scores per head) in F and B.
 """
@@ -78,5 +78,5 @@ class FlashCore(torch.autograd.Function):
 
 
 def flash_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cdt: torch.dtype) -> torch.Tensor:
-    """``mla.eager_core``'s contract -> (batch, seq, heads * dv), with the softmax in ``cdt``."""
+    """``attention_core.eager_core``'s contract -> (batch, seq, heads * dv), with the softmax in ``cdt``."""
     return FlashCore.apply(q, k, v, scale, cdt).flatten(2)

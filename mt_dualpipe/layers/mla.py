@@ -1,0 +1,95 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3): low-rank Q and KV, decoupled RoPE key.
+
+Queries go through a down/up projection pair (``q_lora_rank``; 0: one projection); keys and values share
+one compressed latent (``kv_lora_rank``) that is normalised and expanded per head. Position enters only
+through a separate ``qk_rope_head_dim`` part: each head has its own rotary query part, while the rotary key
+part is a single vector shared by all heads. Training-time form (no KV cache).
+
+The forward is written as ``latents`` (the down-projections) and ``attend`` (``expand``: norms,
+up-projections and RoPE; then ``core``), the two regions the ``"selective"`` recompute policy
+distinguishes: it keeps the latents and rebuilds q, k, v and the core in B (DeepSeek-V3 report §3.2.3).
+Memory options: ``norm_recompute`` (the latents' RMSNorms keep only their inputs; ``fused_norm``: one
+``F.rms_norm`` in the input dtype, ``layers.norm``), ``core`` (``"eager"``,
+``"recomputed"`` or ``"flash"``: ``attention_core``) and ``share_fp8_input`` (with FP8 linears, one 1×128
+E4M3 copy of the input for both down-projections: any linear with ``quantize_input`` and an ``xq`` argument).
+
+Module names are DeepSeek's reference ones (``wq_a``, ``q_norm``, ``wq_b``, ``wkv_a``, ``kv_norm``,
+``wkv_b``, ``wo``); the DeepSeek-V3 family maps them to transformers' (``integrations/deepseek_v3/hf_names.py``).
+RoPE (``RopeSpec``: plain or YaRN) and the softmax run in ``compute_dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_core import CORES, core_attention
+from .common import compute_dtype
+from .norm import RMSNorm
+from .rope import RopeSpec, apply_rope, cos_sin
+
+
+class MLAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, rope: RopeSpec, softmax_scale: float, eps: float = 1e-6,
+                 rope_interleave: bool = True, norm_recompute: bool = False, fused_norm: bool = False,
+                 core: str = "eager", share_fp8_input: bool = False) -> None:
+        super().__init__()
+        if core not in CORES:
+            raise ValueError(f"core attention must be one of {', '.join(CORES)}, got {core!r}")
+        self.n_heads, self.nope, self.rope, self.v_dim = heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_lora_rank, self.rope_spec, self.interleave = kv_lora_rank, rope, rope_interleave
+        self.softmax_scale, self.core_kind, self.share_fp8_input = softmax_scale, core, share_fp8_input
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank:
+            self.wq_a = nn.Linear(hidden, q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(q_lora_rank, eps, norm_recompute, fused_norm)
+            self.wq_b = nn.Linear(q_lora_rank, heads * qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(hidden, heads * qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(hidden, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps, norm_recompute, fused_norm)
+        self.wkv_b = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = nn.Linear(heads * v_head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.attend(*self.latents(x)))
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (normed) -> the down projections' outputs: the query latent (``wq_a``'s output; x itself
+        without ``q_lora_rank``) and ``wkv_a``'s output (the kv latent and the shared rotary key, one
+        buffer). With FP8 linears and ``share_fp8_input`` x is quantised once for both."""
+        lora = hasattr(self, "wq_a")
+        if self.share_fp8_input and lora and hasattr(self.wq_a, "quantize_input") \
+                and hasattr(self.wkv_a, "quantize_input") and x.numel():
+            xq = self.wq_a.quantize_input(x)
+            return self.wq_a(x, xq), self.wkv_a(x, xq)
+        return (self.wq_a(x) if lora else x), self.wkv_a(x)
+
+    def attend(self, q_latent: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The latents -> the attention output before ``wo``: ``expand`` and the core (the region
+        ``"selective"`` recomputes)."""
+        return self.core(*self.expand(q_latent, kv))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x -> per-head q, k (RoPE applied) and v: ``expand`` of ``latents``."""
+        return self.expand(*self.latents(x))
+
+    def expand(self, q_latent: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projections: q and kv latents -> per-head q, k (RoPE applied) and v, with the latents'
+        RMSNorms and RoPE of the rotary parts."""
+        bsz, seq, _ = kv.shape
+        q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_a") else self.wq(q_latent)
+        q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        cos, sin = cos_sin(seq, self.rope, self.rope_spec, compute_dtype(kv), kv.device)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, self.interleave)  # one rotary key for all heads
+        k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection."""
+        return core_attention(q, k, v, self.softmax_scale, self.core_kind)
