@@ -356,3 +356,30 @@ def test_balanced_layout_gives_stage_0_fewer_text_layers_when_the_encoder_is_hea
     sched = type("Linear2", (), {"num_stages": 2, "placement": ((0, 1),), "local_stages": lambda self, r: [(0, r)]})()
     (first,) = stages_for_rank(config, sched, 0, layout="balanced", seq_len=64, images_per_sample=4)
     assert list(first.model.language_model.layers) == ["0", "1"] and hasattr(first.model, "vision_tower")
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_planner_counts_what_the_vision_modules_declare_and_autograd_keeps(tower, policy):
+    """The planner's saved elements per image (``spec.vision_costs``) are the tower's and the projector's
+    declarations; against what autograd keeps running them on 3 images (float32): equal."""
+    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
+    from mt_dualpipe.models.llava.model import LlavaBody, init_llava
+    from mt_dualpipe.models.llava.spec import vision_costs
+
+    config = LlavaConfig.preset("tiny", tower=tower, vision={"hidden_size": 64, "intermediate_size": 128,
+                                                             "num_hidden_layers": 4, "image_size": 32,
+                                                             "patch_size": 8, "num_attention_heads": 4})
+    torch.manual_seed(0)
+    body = LlavaBody(config, [], vision=True, embed=True, norm=False)
+    init_llava(body, config)
+    apply_recompute(body, policy)
+    meter = SavedActivationMeter(exclude=list(body.parameters()))
+    with meter.measure():
+        features = body.vision_tower(torch.randn(3, 3, 32, 32))
+        if config.vision_feature_select_strategy == "default":
+            features = features[:, 1:]
+        body.multi_modal_projector(features)
+    planned = vision_costs(config).saved_elements(policy) * 4 * 3
+    print(f"{tower} {policy}: planner {planned:.0f} B, autograd {meter.peak} B")
+    assert planned == pytest.approx(meter.peak, rel=1e-9)

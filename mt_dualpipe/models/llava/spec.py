@@ -12,9 +12,8 @@ width h, MLP width i and the L encoder layers that run: the patch convolution, p
 h x h projections and the two MLP linears over P rows plus the bidirectional core attention (QKᵀ and
 ·V, 4·P²·h), and the projector over the image's tokens. The frozen layers above the feature layer run
 nothing and have no gradient or optimizer state, so they are left out of the parameters; the norms'
-element-wise work is left out of the FLOPs. Saved activations per position and layer are approximate
-(the layer norms' and projections' inputs, q, k, v, the core output, the MLP's two activations, and the
-P probabilities per head unless ``"selective"`` recomputes the core; ``"full"`` keeps the layer input).
+element-wise work is left out of the FLOPs. Saved activations are the modules' own declarations
+(``vision.py``: ``saved_per_token`` of the tower and the projector), so the planner counts what they keep.
 """
 
 from __future__ import annotations
@@ -45,6 +44,24 @@ class VisionCost:
         return dict(self.saved)[policy]
 
 
+@functools.cache
+def _vision_modules(config: LlavaConfig) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tower and the projector on the meta device (no memory): what the declarations are read from."""
+    from .vision import MultiModalProjector, VisionTower  # lazy: the model's modules only when asked
+
+    with torch.device("meta"):
+        return VisionTower(config), MultiModalProjector(config)
+
+
+def declared_vision_saved(config: LlavaConfig, policy: str) -> float:
+    """Saved elements per image under ``policy``, as the modules declare them: the tower's per position times
+    its P positions, the projector's per image token times the image's tokens."""
+    tower, projector = _vision_modules(config)
+    positions = config.vision.num_positions
+    return (positions * sum(tower.saved_per_token(policy, positions).values())
+            + config.tokens_per_image * sum(projector.saved_per_token(policy, positions).values()))
+
+
 def vision_costs(config: LlavaConfig) -> VisionCost:
     v, text_h = config.vision, config.text.hidden_size
     h, i, P, L, T = v.hidden_size, v.intermediate_size, v.num_positions, config.vision_layers_used, \
@@ -58,11 +75,7 @@ def vision_costs(config: LlavaConfig) -> VisionCost:
     linear = L * (4 * h * h + 2 * h * i) + h * text_h + text_h * text_h
     mm = 2 * v.num_patches * patch_in * h + L * 2 * P * (4 * h * h + 2 * h * i) + 2 * T * (h * text_h + text_h ** 2)
     attn = L * 4 * P * P * h
-    kept = 8 * h + 2 * i + 4  # per position and layer: see the module docstring (+ the two norms' statistics)
-    probs = v.num_attention_heads * P
-    proj_saved = T * (h + 2 * text_h)
-    saved = {"none": L * P * (kept + probs) + proj_saved, "selective": L * P * kept + proj_saved,
-             "full": L * P * h + proj_saved}
+    saved = {policy: declared_vision_saved(config, policy) for policy in ("none", "selective", "full")}
     return VisionCost(float(params), float(linear), float(mm), float(attn),
                       tuple((k, float(x)) for k, x in saved.items()))
 

@@ -7,6 +7,13 @@ Attention is bidirectional (every patch sees every patch), so ``layers.GQAttenti
 does not fit; ``VisionAttention`` is its plain counterpart, softmax in ``compute_dtype`` like the rest
 of the shared layer.
 
+Each module declares what autograd keeps of it per position (``saved_per_token(policy, positions)``, in
+elements; the planner's ``spec.vision_costs`` reads them): a ``LayerNorm`` its input, mean and 1/std
+(h + 2); the attention the projections' input, q, k, v and the core's output (5h) and, unless
+``"selective"`` recomputes the core, the probabilities (heads x positions); the MLP its input, the first
+linear's output and what the activation keeps (``ACTIVATION_SAVED``: quick_gelu also its sigmoid); the
+patch convolution the pixels; under ``"full"`` a layer keeps only its input.
+
 LLaVA reads one hidden state of the tower (``LlavaConfig.feature_index``), so the tower runs only the
 layers below it. The layers above, ``post_layernorm`` and SigLIP's pooling ``head`` never run: they are
 built (so a checkpoint loads and saves whole) but frozen (``requires_grad=False``), so an optimizer,
@@ -38,6 +45,14 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh, "silu": F.silu, "relu": F.relu,
 }
+ACTIVATION_SAVED = {"quick_gelu": 2, "gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "relu": 1}
+"""Tensors of the activation's width its autograd keeps besides the output the next linear keeps (quick_gelu:
+its input and its sigmoid; the others one: their input, or relu's output)."""
+
+
+def layer_norm_saved(hidden: int) -> int:
+    """What ``nn.LayerNorm`` keeps per position: its input, the mean and 1/std."""
+    return hidden + 2
 
 
 class VisionEmbeddings(nn.Module):
@@ -62,6 +77,11 @@ class VisionEmbeddings(nn.Module):
         if hasattr(self, "class_embedding"):
             x = torch.cat([self.class_embedding.expand(x.size(0), 1, -1).to(x.dtype), x], dim=1)
         return x + self.position_embedding.weight
+
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, float]:
+        """The convolution keeps the pixels: C x H x W per image, spread over its positions."""
+        c, size = self.patch_embedding.in_channels, self.image_size
+        return {"pixels": c * size * size / positions}
 
 
 class VisionAttention(nn.Module):
@@ -88,16 +108,31 @@ class VisionAttention(nn.Module):
         if policy == "selective":
             yield self, "core", "vision_core_attention"
 
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, int]:
+        """The projections' input, q, k, v and the core output (``out_proj``'s input), and the probabilities
+        unless ``"selective"`` recomputes the core (its region keeps q, k, v, which the projections keep)."""
+        if policy == "full":
+            return {}
+        hidden = self.heads * self.head_dim
+        out = {"input": hidden, "qkv": 3 * hidden, "core_out": hidden}
+        return out if policy == "selective" else {**out, "probs": self.heads * positions}
+
 
 class VisionMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_saved = ACTIVATIONS[act], ACTIVATION_SAVED[act]
         self.fc1 = nn.Linear(hidden, intermediate)
         self.fc2 = nn.Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, int]:
+        if policy == "full":
+            return {}
+        return {"input": self.fc1.in_features, "activation": self.fc1.out_features * self.act_saved,
+                "fc2_input": self.fc1.out_features}
 
 
 class VisionEncoderLayer(nn.Module):
@@ -115,6 +150,15 @@ class VisionEncoderLayer(nn.Module):
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         if policy == "full":
             yield self, "forward", "vision_layer"
+
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, float]:
+        """Its norms, attention and MLP; under ``"full"`` (the whole layer recomputed) only its input."""
+        hidden = self.layer_norm1.normalized_shape[0]
+        if policy == "full":
+            return {"input": hidden}
+        return {"layer_norm1": layer_norm_saved(hidden), "layer_norm2": layer_norm_saved(hidden),
+                **{f"attn_{k}": v for k, v in self.self_attn.saved_per_token(policy, positions).items()},
+                **{f"mlp_{k}": v for k, v in self.mlp.saved_per_token(policy, positions).items()}}
 
 
 class VisionEncoder(nn.Module):
@@ -166,6 +210,15 @@ class VisionTower(nn.Module):
             x = layer(x)
         return x
 
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, float]:
+        """Per position: the embedding's, CLIP's ``pre_layrnorm`` and the layers that run (not the frozen ones)."""
+        out = dict(self.embeddings.saved_per_token(policy, positions))
+        if hasattr(self, "pre_layrnorm"):
+            out["pre_layrnorm"] = layer_norm_saved(self.pre_layrnorm.normalized_shape[0])
+        for i, layer in enumerate(self.encoder.layers[:self.used]):
+            out[f"layer{i}"] = sum(layer.saved_per_token(policy, positions).values())
+        return out
+
 
 class MultiModalProjector(nn.Module):
     """``linear_1`` -> activation -> ``linear_2``: vision width to text width."""
@@ -174,11 +227,17 @@ class MultiModalProjector(nn.Module):
         super().__init__()
         bias = config.multimodal_projector_bias
         self.linear_1 = nn.Linear(config.vision.hidden_size, config.text.hidden_size, bias=bias)
-        self.act = ACTIVATIONS[config.projector_hidden_act]
+        act = config.projector_hidden_act
+        self.act, self.act_saved = ACTIVATIONS[act], ACTIVATION_SAVED[act]
         self.linear_2 = nn.Linear(config.text.hidden_size, config.text.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
+
+    def saved_per_token(self, policy: str, positions: int) -> dict[str, int]:
+        """Per image token: ``linear_1``'s input, the activation's and ``linear_2``'s input (never recomputed)."""
+        text = self.linear_1.out_features
+        return {"input": self.linear_1.in_features, "activation": text * self.act_saved, "linear_2_input": text}
 
 
 def init_vision(tower: VisionTower, config: VisionConfig) -> None:
