@@ -654,7 +654,7 @@ def planned_activation_peaks(args: argparse.Namespace, run: RankSetup) -> list[f
     with the core attention the demo runs (``--core-attention``: eager, or flash as the planner's "fused")."""
     from mt_dualpipe.planner import ModelSpec
     from mt_dualpipe.planner.activations import FP8_LIN, memory_savers
-    from mt_dualpipe.planner.estimate import activation_peak_bytes
+    from mt_dualpipe.planner.estimate import planned_rank_peaks
 
     config, sched = run.config, run.schedule
     elem = next(p for m in run.mods for p in m.parameters()).element_size()
@@ -664,14 +664,7 @@ def planned_activation_peaks(args: argparse.Namespace, run: RankSetup) -> list[f
             micro_batch_size=args.micro_batch_size,
             attention="fused" if config.core_attention == "flash" else "eager")
     tokens = args.seq_len * args.micro_batch_size
-    counts, k, act, held = list(run.split.counts), 0, [], []
-    for i, n in enumerate(counts):
-        n += (i == 0) + (i == len(counts) - 1)  # + the embedding, + the head (and MTP)
-        act.append(sum(it.act_bytes for it in items[k:k + n]) * tokens)
-        held.append(sum(it.w_act_bytes for it in items[k:k + n]) * tokens)
-        k += n
-    hidden = [0.0] + [config.dim * elem * tokens] * (len(counts) - 1)
-    return [activation_peak_bytes(sched.ranks[r], act, held, hidden) for r in range(args.pp)]
+    return planned_rank_peaks(sched, items, list(run.split.counts), tokens, config.dim * elem * tokens)[:args.pp]
 
 
 def summarize(args, run: RankSetup, stepper, history: dict) -> dict:

@@ -314,6 +314,28 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
 
 
 # ----- memory ------------------------------------------------------------------------------------
+def planned_rank_peaks(schedule: Schedule, items: list[Item], layer_counts: list[int], tokens: int,
+                       hidden_bytes: float) -> list[float]:
+    """The planner's peak of saved-activation bytes on every rank of ``schedule`` for a model cut into stages
+    of ``layer_counts`` decoder layers (the first stage also the embedding item, the last the head item):
+    each stage's saved bytes and its deferred W's share for micro-batches of ``tokens`` tokens, and the
+    ``hidden_bytes`` input each stage but the first receives (``activation_peak_bytes``). What a run's
+    ``Pipeline.peak_activation_bytes`` (``record_activation_bytes``) is compared with."""
+    if sum(layer_counts) + 2 > len(items):
+        raise ScheduleError(f"layer counts {layer_counts} need {sum(layer_counts) + 2} items, the model has "
+                            f"{len(items)}")
+    act, held, k = [], [], 0
+    for i, n in enumerate(layer_counts):
+        n += (i == 0) + (i == len(layer_counts) - 1)  # + the embedding, + the head
+        if i == len(layer_counts) - 1:
+            n = len(items) - k  # the head item(s) to the end (DeepSeek-V3's MTP rides with the head)
+        act.append(sum(it.act_bytes for it in items[k:k + n]) * tokens)
+        held.append(sum(it.w_act_bytes for it in items[k:k + n]) * tokens)
+        k += n
+    hidden = [0.0] + [hidden_bytes] * (len(layer_counts) - 1)
+    return [activation_peak_bytes(schedule.ranks[r], act, held, hidden) for r in range(len(schedule.ranks))]
+
+
 def activation_peak_bytes(ops: list, stage_bytes: list[float], w_bytes: list[float] | None = None,
                           input_bytes: list[float] | None = None) -> float:
     """Peak saved-activation bytes of one rank's op order: each op holds and frees what ``schedules.ops``

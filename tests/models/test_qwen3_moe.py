@@ -193,6 +193,7 @@ def _pipeline_worker(rank: int, world: int, schedule: str, policy: str, normaliz
         y = masked(y)
         criterion = criterion_for(mods, normalizer=step_normalizer(y))
     pipe = Pipeline(mods, sched, timeout=120)
+    pipe.record_activation_bytes = True  # the runtime's own peak of saved-activation bytes on this rank
     first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
     last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
     pick = lambda t, c: torch.cat([torch.tensor_split(t, NUM_MB)[m] for m in sched.microbatches_of(c)])  # noqa: E731
@@ -200,7 +201,21 @@ def _pipeline_worker(rank: int, world: int, schedule: str, policy: str, normaliz
     labels = (pick(y, last[0]),) if last else ()
     pipe.step(*inputs, num_chunks=NUM_MB, criterion=criterion, labels=labels)
     grads = {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
-    return {"grads": grads, "closures": pipe.store.closures_run}
+    return {"grads": grads, "closures": pipe.store.closures_run, "peak_bytes": pipe.peak_activation_bytes}
+
+
+def planned_peaks(config: Qwen3MoeConfig, schedule: str, policy: str) -> list[float]:
+    """The planner's per-rank peak of saved-activation bytes for ``_pipeline_worker``'s run: the family's spec
+    (the layers' declarations), float64, micro-batches of 2 x 8 tokens, one layer per stage of the V."""
+    from mt_dualpipe.models.qwen3_moe.spec import planner_spec
+    from mt_dualpipe.planner.estimate import planned_rank_peaks
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    seq, rows = 8, 2
+    items = planner_spec(config).items(seq, act_unit=8.0, recompute=policy, elem=8.0, micro_batch_size=rows)
+    tokens = seq * rows
+    return planned_rank_peaks(build_schedule(schedule, 2, NUM_MB), items, [1, 1, 1, 1], tokens,
+                              config.hidden_size * 8.0 * tokens)
 
 
 def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_token_mean():
@@ -242,10 +257,17 @@ def test_pipeline_gradients_equal_one_process(schedule, policy, balance):
         model(xm, ym).backward()
     want = {n: p.grad for n, p in model.named_parameters()}
     got: dict[str, torch.Tensor] = {}
-    for res in run_ranks(_pipeline_worker, 2, schedule, policy, False, balance, timeout=300):
+    results = run_ranks(_pipeline_worker, 2, schedule, policy, False, balance, timeout=300)
+    for res in results:
         assert res["closures"] > 0  # weight gradients deferred to W (DeferredLinear)
         for n, g in res["grads"].items():
             got[n] = got[n] + g if n in got else g
+    # the planner's peak of saved bytes per rank (the layers' declarations, the schedule's op order) against
+    # the runtime's recorded peak
+    recorded = [res["peak_bytes"] for res in results]
+    planned = planned_peaks(config, schedule, policy)
+    print(f"{schedule} ({policy}): recorded activation peaks {recorded}, planner {[round(p) for p in planned]}")
+    assert all(p == pytest.approx(r, rel=0.10) for p, r in zip(planned, recorded)), (recorded, planned)
     assert sorted(got) == sorted(n for n, g in want.items() if g is not None)
     assert all(want[n].abs().max() > 0 for n in got)
     worst = max(relative_error(got[n], want[n]) for n in got)
