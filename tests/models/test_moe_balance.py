@@ -178,3 +178,33 @@ def test_balance_loss_is_off_by_default_and_in_evaluation():
     block(x)
     assert block.last_balance_loss is not None and block.last_balance_loss.item() > 0
     assert Qwen3MoeConfig.preset("tiny").balance_coef == 0.0
+
+
+def test_deepseek_v3s_own_gate_drives_the_shared_moe_block_as_its_moe():
+    """The DeepSeek family's ``Gate`` is a shared-layer ``Router``: plugged into ``layers.MoEBlock`` with the
+    same expert weights, the block's output equals the family's ``MoE`` (float64, shared expert included)."""
+    from mt_dualpipe.integrations.deepseek_v3.moe import MoE
+    from mt_dualpipe.layers import Router
+
+    config = DeepSeekV3Config.preset("tiny")
+    torch.manual_seed(0)
+    ds = MoE(config).double().eval()
+    ds.gate.bias.copy_(torch.randn(16, dtype=torch.float64) * 0.1)
+    for p in ds.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.05)
+    gate = Gate(config).double()
+    assert isinstance(gate, Router)
+    gate.load_state_dict(ds.gate.state_dict())
+    block = MoEBlock(config.dim, config.moe_inter_dim, gate,
+                     shared_intermediate=config.n_shared_experts * config.moe_inter_dim).double().eval()
+    with torch.no_grad():
+        for i, expert in block.experts.items():
+            mine = ds.experts[i]
+            expert.gate_proj.weight.copy_(mine.w1.weight)
+            expert.up_proj.weight.copy_(mine.w3.weight)
+            expert.down_proj.weight.copy_(mine.w2.weight)
+        block.shared_expert.gate_proj.weight.copy_(ds.shared_experts.w1.weight)
+        block.shared_expert.up_proj.weight.copy_(ds.shared_experts.w3.weight)
+        block.shared_expert.down_proj.weight.copy_(ds.shared_experts.w2.weight)
+        h = torch.randn(3, 10, config.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        assert relative_error(block(h), ds(h)) < 1e-12

@@ -29,7 +29,7 @@ from torch import nn
 from ...layers.balance import AuxLoss
 from ...layers.common import compute_dtype
 from ...layers.norm import rms_norm
-from ...layers.router import group_limited_topk
+from ...layers.router import Router, Routing, group_limited_topk
 from ...parallel.weight_kinds import set_weight_kind
 from ..balancing import batch_balance_loss, bias_update, capacity_keep, device_limited_mask, sequence_balance_loss
 from ..fp8.linear import FP8Linear, fp8_swiglu_down
@@ -218,24 +218,25 @@ class _RouterLogits(torch.autograd.Function):
         return (*(next(got) if t.requires_grad else None for t in leaves), None, None)
 
 
-class Gate(nn.Module):
-    """The router: affinities, expert choice (``config.topk_method``) and gate weights.
+class Gate(Router):
+    """The router: affinities, expert choice (``config.topk_method``) and gate weights; a shared-layer
+    ``Router`` (``layers/router.py``), so it also drives ``layers.MoEBlock`` (tested).
 
     Scores are computed in ``compute_dtype`` (float32, or float64 for a float64 model) from the
-    input and weight cast to it, as transformers does. ``bias`` is the selection-only correction of
-    auxiliary-loss-free balancing (HF name ``e_score_correction_bias``); only ``noaux_tc`` uses it.
+    input and weight cast to it, as transformers does, and so are the gate weights it returns.
+    ``bias`` is the selection-only correction of auxiliary-loss-free balancing (HF name
+    ``e_score_correction_bias``); only ``noaux_tc`` uses it.
     """
 
     cheap_weight_grad = True  # a (tokens x dim x experts) GEMM, small next to the experts: computed during B
 
     def __init__(self, config: DeepSeekV3Config) -> None:
-        super().__init__()
+        super().__init__(config.dim, config.n_routed_experts, config.n_activated_experts)
         self.topk, self.n_groups, self.topk_groups = (config.n_activated_experts, config.n_expert_groups,
                                                       config.n_limited_groups)
         self.route_scale, self.norm_topk_prob = config.route_scale, config.norm_topk_prob
         self.scoring_func, self.topk_method = config.scoring_func, config.topk_method
         self.device_groups, self.device_limit = config.device_groups, config.device_limit
-        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
         self.keep_input = config.saves("router")
         if not self.weight.is_meta:  # a gate built on its own must not route on uninitialised memory
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default; the model re-inits it
@@ -243,7 +244,7 @@ class Gate(nn.Module):
         self.register_buffer("bias", torch.zeros(config.n_routed_experts))
         self.register_buffer("load", torch.zeros(config.n_routed_experts), persistent=False)
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor:
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Expert ids (tokens, k): top-k inside the best groups (no gradient flows through the choice)."""
         if self.topk_method == "greedy" and not self.device_limit:
             return scores.topk(self.topk, dim=-1).indices
@@ -254,24 +255,34 @@ class Gate(nn.Module):
         group_score = "top2" if self.topk_method == "noaux_tc" else "max"
         return group_limited_topk(choice, self.topk, self.n_groups, self.topk_groups, group_score)
 
-    def forward(self, x: torch.Tensor, source: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, source: tuple | None = None) -> Routing:
         """x (tokens, dim) -> gate weights (tokens, k), expert ids (tokens, k), affinities (tokens, experts).
-        ``source``: (input, weight, eps, fused) of the recomputed RMSNorm whose output ``x`` is (``"router"`` saver)."""
+        ``source``: (input, weight, eps, fused) of the recomputed RMSNorm whose output ``x`` is (``"router"``
+        saver)."""
         counting = self.training and torch.is_grad_enabled()  # training forwards only, not evaluation
         cdt = compute_dtype(x)
         if self.keep_input and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             logits = _RouterLogits.apply(x, self.weight, cdt, source)
         else:
             logits = F.linear(x.to(cdt), self.weight.to(cdt))
+        weights, indices, scores = self.select(logits)
+        if counting:
+            self.load += torch.bincount(indices.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+        return Routing(weights, indices, scores)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``Router.select``: affinities (sigmoid or softmax), the choice, the chosen affinities renormalised
+        (``norm_topk_prob``) and times ``route_scale``."""
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         with torch.no_grad():
-            indices = self.select(scores)
-            if counting:
-                self.load += torch.bincount(indices.flatten(), minlength=self.load.numel()).to(self.load.dtype)
+            indices = self.choose(scores)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights * self.route_scale, indices, scores
+
+    def balance_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores / scores.sum(-1, keepdim=True) if self.scoring_func == "sigmoid" else scores
 
 
 class MoE(nn.Module):
