@@ -14,18 +14,12 @@ from mt_dualpipe.layers.balance import switch_balance_loss
 from mt_dualpipe.layers.router import group_limited_topk
 from mt_dualpipe.models import from_pretrained
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from tests.helpers import hf_reference
 from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-QWEN = "transformers.models.qwen3_moe.modeling_qwen3_moe"
-
-
-@pytest.fixture(autouse=True)
-def _float64_qwen(monkeypatch):
-    monkeypatch.setattr(hf_reference, "MODULES", hf_reference.MODULES + (QWEN,))
+pytestmark = pytest.mark.usefixtures("float64_qwen")  # tests/models/conftest.py
 
 
 def hf_config(**kw):
