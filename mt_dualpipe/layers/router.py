@@ -40,6 +40,8 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """Base: the gate projection; subclasses define ``select(logits)``."""
 
+    cheap_weight_grad = True  # a (tokens x hidden x experts) GEMM, small next to the experts: computed during B
+
     def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..integrations.compile import compile_stage
 from ..integrations.recompute import apply_recompute
-from ..layers import lm_loss, logits
+from ..layers import MoEBlock, lm_loss, logits
 from ..runtime.deferred import defer_weight_grads as _defer_weight_grads
 
 
@@ -125,6 +126,38 @@ class DecoderStage(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.state_dict())
+
+    def compile_targets(self) -> list[nn.Module]:
+        """What ``compile=`` compiles (``integrations/compile.py``), the memory-bound parts: per decoder layer
+        each sub-module (norms, attention with RoPE and softmax, the dense SwiGLU), of an MoE block only its
+        shared expert (routed experts, router, dispatch and combine stay eager: their row counts follow the
+        routing, and a compiled version would recompile with every count), and the final norm; the loss is
+        compiled on its own (``loss_fn``). Linears inside stay out of the graphs' weight gradients, so their
+        GEMMs still wait for W; the residual adds stay eager."""
+        targets: list[nn.Module] = []
+        for layer in self.decoder.layers.values():
+            for child in layer.children():
+                if isinstance(child, MoEBlock):
+                    targets += [child.shared_expert] if child.shared_expert is not None else []
+                else:
+                    targets.append(child)
+        if self.is_last:
+            targets.append(self.decoder.norm)
+        return targets
+
+
+def stage_finisher(recompute: str, backend: str | None) -> Callable[[DecoderStage], None]:
+    """What ``build_stage_list`` does last to each stage: the ``recompute`` policy, or with a compile
+    ``backend`` the compilation of ``compile_targets`` (which must wrap the policy's regions) and of the
+    last stage's loss (its float upcast and softmax fuse)."""
+    def finish(stage: DecoderStage) -> None:
+        if backend is None:
+            apply_recompute(stage, recompute)
+            return
+        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=recompute)
+        if stage.is_last:
+            stage.loss_fn = torch.compile(lm_loss, backend=backend)
+    return finish
 
 
 def local_stage_indices(schedule: Any, rank: int) -> tuple[int, list[int]]:

@@ -22,6 +22,8 @@ from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Mod
 from mt_dualpipe.integrations.deepseek_v3 import build_stages as deepseek_stages
 from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM
 from mt_dualpipe.integrations.llama.stages import build_stages as llama_stages
+from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from mt_dualpipe.models.qwen3_moe import build_stages as qwen3_stages
 from mt_dualpipe.runtime.stage import Stage
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from tests.helpers.dist import run_ranks
@@ -44,11 +46,15 @@ def make(kind: str, num_stages: int = 1, **kwargs):
     emptied, so the graphs a case compiles are its own."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = deepseek_config() if kind == "deepseek" else llama_config()
-    model = DeepSeekV3Model(config) if kind == "deepseek" else LlamaForCausalLM(config)
+    family = {"deepseek": (deepseek_config, DeepSeekV3Model, deepseek_stages),
+              "llama": (llama_config, LlamaForCausalLM, llama_stages),
+              "qwen3": (lambda: Qwen3MoeConfig.preset("tiny", num_hidden_layers=2, mlp_only_layers=(0,),
+                                                      vocab_size=64), Qwen3MoeForCausalLM, qwen3_stages)}
+    make_config, model_class, build = family[kind]
+    config = make_config()
+    model = model_class(config)
     if not kwargs.get("fp8"):
         model = model.double()
-    build = deepseek_stages if kind == "deepseek" else llama_stages
 
     def stages(compile: bool | str = False):
         built = build(config, num_stages, source=model, compile=compile, **kwargs)
@@ -89,7 +95,7 @@ def assert_close(got: dict, want: dict, atol: float) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("kind", ["deepseek", "llama"])
+@pytest.mark.parametrize("kind", ["deepseek", "llama", "qwen3"])
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_compiled_stage_matches_eager_with_weight_gemms_in_w(kind, policy):
     config, stages = make(kind, recompute=policy)

@@ -319,6 +319,31 @@ def test_recompute_policies_give_the_same_gradients():
             assert torch.allclose(grads[policy][n], g, rtol=0, atol=1e-13), (policy, n)
 
 
+def test_compiled_stages_give_the_same_gradients():
+    """``compile=`` (aot_eager) compiles every text layer's parts (the tower stays eager) and gives eager's
+    gradients; the compiled regions are the shared ``DecoderStage.compile_targets``."""
+    from mt_dualpipe.integrations.compile import compiled_targets
+
+    torch._dynamo.reset()
+    config = LlavaConfig.preset("tiny")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).double()
+    tokens, pixels = batch(config)
+    x, y = next_token_labels(tokens, config.image_token_id, 0)
+    grads = {}
+    for compile in (False, "aot_eager"):
+        (st,) = build_stages(config, 1, source=model, dtype=torch.float64, compile=compile, defer_weight_grads=False)
+        st.criterion(st(x, pixels), y).backward()
+        grads[compile] = {n: p.grad for n, p in st.named_parameters() if p.grad is not None}
+        if compile:
+            compiled = compiled_targets(st)
+            assert len(compiled) == 4 * config.num_hidden_layers + 1  # 2 norms, attention, MLP per layer; the norm
+            assert not any(m is st.model.vision_tower or m in list(st.model.vision_tower.modules()) for m in compiled)
+    assert grads["aot_eager"].keys() == grads[False].keys()
+    for n, g in grads[False].items():
+        assert torch.allclose(grads["aot_eager"][n], g, rtol=1e-12, atol=1e-14), n
+
+
 def test_planner_spec_counts_the_vision_encoder_on_the_first_item():
     from mt_dualpipe.models.llava.spec import planner_spec
 

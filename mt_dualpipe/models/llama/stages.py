@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ...integrations.compile import check_backend, compile_stage
+from ...integrations.compile import check_backend
 from ...integrations.fp8 import convert_to_fp8
-from ...integrations.recompute import apply_recompute, check_policy
-from ...layers import deferred_init, lm_head, lm_loss
-from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
+from ...integrations.recompute import check_policy
+from ...layers import deferred_init, lm_head
+from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
 from ..decoder_stage import stage_layer_ids as _split_layers
 from .checkpoint import build_loaded, is_fp8_weight, open_checkpoint
 from .config import LlamaConfig
@@ -47,30 +47,6 @@ class LlamaStage(DecoderStage):
 
     fp8_checkpoint_names = staticmethod(is_fp8_weight)
 
-    def compile_targets(self) -> list[torch.nn.Module]:
-        """What ``compile=`` compiles (``integrations/compile.py``): per layer its two norms, the attention
-        (RoPE, GQA repeat, softmax) and the MLP (SwiGLU product), and the final norm (the loss is
-        compiled on its own: ``loss_fn``); each module's linears stay eager so their weight GEMMs still
-        wait for W. The residual adds stay eager."""
-        targets: list[torch.nn.Module] = []
-        for layer in self.model.layers.values():
-            targets += [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp]
-        if self.is_last:
-            targets.append(self.model.norm)
-        return targets
-
-
-def _finisher(recompute: str, backend: str | None):
-    """The recompute policy, or compilation when asked (which must wrap the policy's regions)."""
-    def finish(stage: LlamaStage) -> None:
-        if backend is None:
-            apply_recompute(stage, recompute)
-            return
-        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=recompute)
-        if stage.is_last:
-            stage.loss_fn = torch.compile(lm_loss, backend=backend)
-    return finish
-
 
 def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | None = None, *,
                  source: torch.nn.Module | None = None, indices: Sequence[int] | None = None,
@@ -92,7 +68,7 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
                             checkpoint=checkpoint, open_checkpoint=open_checkpoint,
                             load=lambda factory, ckpt: build_loaded(factory, ckpt, fp8=fp8),
-                            prepare=convert_to_fp8 if fp8 else None, finish=_finisher(recompute, backend))
+                            prepare=convert_to_fp8 if fp8 else None, finish=stage_finisher(recompute, backend))
 
 
 def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...integrations.compile import check_backend
 from ...integrations.recompute import check_policy
 from ...layers import deferred_init, lm_head
-from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
+from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
 from ..decoder_stage import stage_layer_ids as _split_layers
 from .checkpoint import build_loaded, open_checkpoint
 from .config import Qwen3MoeConfig
@@ -48,12 +49,15 @@ class Qwen3MoeStage(DecoderStage):
 def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] | None = None, *,
                  source: nn.Module | None = None, indices: Sequence[int] | None = None, checkpoint: Any = None,
                  dtype: torch.dtype | None = None, defer_weight_grads: bool = True,
-                 recompute: str = "none", ep_group: dist.ProcessGroup | None = None) -> list[Qwen3MoeStage]:
+                 recompute: str = "none", ep_group: dist.ProcessGroup | None = None,
+                 compile: bool | str = False) -> list[Qwen3MoeStage]:
     """The stage modules (all, or ``indices``): weights copied from ``source``, read per stage from a
     Hugging Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``recompute``:
     ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``ep_group``: each MoE layer
-    holds (and reads) only this rank's experts."""
+    holds (and reads) only this rank's experts. ``compile``: True (inductor) or a backend name compiles each
+    layer's memory-bound parts (``DecoderStage.compile_targets``), linears kept out of the graph."""
     check_policy(recompute)
+    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
 
     def make(i: int) -> Qwen3MoeStage:
@@ -62,7 +66,7 @@ def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
                             checkpoint=checkpoint, open_checkpoint=open_checkpoint,
                             load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype), dtype=dtype,
-                            recompute=recompute)
+                            finish=stage_finisher(recompute, backend))
 
 
 def stages_for_rank(config: Qwen3MoeConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,
