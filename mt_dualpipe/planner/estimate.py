@@ -31,7 +31,8 @@ Costs of a stage: F = matmul FLOPs / the achieved rate of the strategy's precisi
 per GPU and precision, from published kernel benchmarks; FP8 training keeps the head and the router in
 BF16, ``Item.bf16_mm_flops``) + core attention / attention rate + memory-bound bytes / HBM rate
 (``Item.hbm_bytes``: norms, residual adds, SwiGLU, MoE permutes, FP8 casts); B = the input-gradient
-matmuls (same FLOPs as F's matmuls) + 2x core attention + 2x the memory-bound bytes; W = the weight-
+matmuls (same FLOPs as F's matmuls) + the core attention's backward (2x F's for an eager core, 2.5x for a
+flash-style one, which rebuilds its scores: ``FLASH_BACKWARD``) + 2x the memory-bound bytes; W = the weight-
 gradient matmuls (same FLOPs again). With tensor parallelism (``Strategy.tp``, Megatron-style with
 sequence parallelism) all of it is divided over the group and each decoder layer adds its collectives
 (``tp_collective_time``: 4 in F, 6 in B); weights, gradients, optimizer state and saved activations are
@@ -232,6 +233,12 @@ def a2a_time(model: ModelSpec, strategy: Strategy, system: SystemSpec, tokens: i
     return total
 
 
+FLASH_BACKWARD = 2.5
+"""A flash-style core's backward in units of its forward: it rebuilds the scores (QKᵀ) from q, k and the
+log-sum-exp, then runs dV, dP, dQ and dK: 5 products of the forward's size against the forward's 2 (the
+flash-attention repository counts its backward FLOPs as 2.5x the forward's in its benchmarks). An eager core
+keeps the probabilities: 4 products, 2x."""
+
 TP_FORWARD_COLLECTIVES = 4
 """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022, "Reducing
 Activation Recomputation in Large Transformer Models", section 4.2.2): per decoder layer the forward
@@ -289,6 +296,7 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
     the SMs communication leaves it (``overlaps_communication``)."""
     tokens = strategy.seq_len * strategy.micro_batch_size
     tp = strategy.tp
+    attn_back = FLASH_BACKWARD if strategy.attention == "fused" else 2.0  # B's core attention, in F's units
     share = system.overlap_share() if overlaps_communication(model, strategy) else 1.0
     attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency * tp * share
     hbm_rate = system.hbm_rate() * tp
@@ -301,7 +309,7 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
         mem = sum(i.hbm_bytes for i in group) * tokens / hbm_rate
         layers = sum(1 for i in group if i.attn_flops > 0)
         f.append(mm + at + mem + layers * TP_FORWARD_COLLECTIVES * coll)
-        b.append(mm + 2 * at + 2 * mem + layers * TP_BACKWARD_COLLECTIVES * coll)
+        b.append(mm + attn_back * at + 2 * mem + layers * TP_BACKWARD_COLLECTIVES * coll)
         w.append(mm)
         af.append(a2a * sum(1 for i in group if i.moe))
         rc.append(sum(i.recompute_mm_flops for i in group) * tokens / (system.mm_rate(strategy.dtype) * tp * share)

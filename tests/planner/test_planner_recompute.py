@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate
-from mt_dualpipe.planner.estimate import mm_seconds, overlaps_communication, stage_costs, stage_items
+from mt_dualpipe.planner.estimate import FLASH_BACKWARD, mm_seconds, overlaps_communication, stage_costs, stage_items
 from mt_dualpipe.schedules import build_schedule
 from mt_dualpipe.schedules.errors import ScheduleError
 from mt_dualpipe.schedules.simulate import run_schedule
@@ -105,8 +105,14 @@ def test_recompute_none_keeps_the_time_model_and_others_charge_costs_recompute(m
         mm = sum(mm_seconds(i, H100, st.dtype) for i in group) * tokens / share  # the head stays BF16 with FP8
         at = sum(i.attn_flops for i in group) * tokens / attn_rate
         mem = sum(i.hbm_bytes for i in group) * tokens / H100.hbm_rate()  # memory-bound, twice in B
-        assert (none.f[s], none.b[s], none.w[s]) == pytest.approx((mm + at + mem, mm + 2 * at + 2 * mem, mm),
-                                                                   rel=1e-12)
+        # the strategy's default core is the flash-style one: its backward is FLASH_BACKWARD x its forward
+        assert st.attention == "fused"
+        assert (none.f[s], none.b[s], none.w[s]) == pytest.approx(
+            (mm + at + mem, mm + FLASH_BACKWARD * at + 2 * mem, mm), rel=1e-12)
+    eager = _costs(model, replace(st, recompute="none", attention="eager"))  # an eager core: B = 2x its F
+    for s, group in enumerate(stages):
+        at = sum(i.attn_flops for i in group) * tokens / attn_rate
+        assert eager.b[s] - eager.f[s] == pytest.approx(none.b[s] - none.f[s] - (FLASH_BACKWARD - 2) * at, rel=1e-9)
     for policy in ("selective", "full"):
         costs = _costs(model, replace(st, recompute=policy))
         assert (costs.f, costs.b, costs.w) == (none.f, none.b, none.w)  # the recompute is not folded into B
