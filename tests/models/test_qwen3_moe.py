@@ -409,3 +409,26 @@ def test_the_planner_counts_what_the_layers_declare_and_autograd_keeps(moe, poli
         layer(x)
     print(f"{'moe' if moe else 'dense'} {policy}: planner {planned:.0f} B, autograd {meter.peak} B")
     assert abs(planned / meter.peak - 1) < 0.10, (planned, meter.peak)
+
+
+def test_fp8_stages_convert_every_expert_and_train_close_to_bf16(saved):
+    """``fp8=True``: attention, dense and expert linears become ``FP8Linear`` (router and head stay), from a
+    source model or read from the checkpoint, and the loss is close to the unconverted one, not equal."""
+    from mt_dualpipe.integrations.fp8 import FP8Linear
+    from mt_dualpipe.models.qwen3_moe import build_stages
+
+    config, model, path = saved
+    model = model.float()
+    x, y = batch(config)
+    with torch.no_grad():
+        ref = float(model(x, y))
+    for kwargs in (dict(source=model), dict(checkpoint=path, dtype=torch.float32)):
+        first, last = build_stages(config, 2, fp8=True, **kwargs)
+        fp8 = {n for st in (first, last) for n, m in st.named_modules() if isinstance(m, FP8Linear)}
+        assert any(".mlp.experts." in n for n in fp8) and any(".self_attn.q_proj" in n for n in fp8)
+        assert not any(n.endswith(("lm_head", ".mlp.gate")) for n in fp8)
+        loss = last.criterion(last(first(x)), y)
+        loss.backward()
+        value = loss.item()
+        assert value != ref and abs(value - ref) < 0.02 * ref, (value, ref)
+        assert all(p.grad is not None for p in first.parameters() if p.requires_grad)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...integrations.compile import check_backend
+from ...integrations.fp8 import convert_to_fp8
 from ...integrations.recompute import check_policy
 from ...layers import deferred_init, lm_head
 from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
@@ -50,12 +51,14 @@ def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] 
                  source: nn.Module | None = None, indices: Sequence[int] | None = None, checkpoint: Any = None,
                  dtype: torch.dtype | None = None, defer_weight_grads: bool = True,
                  recompute: str = "none", ep_group: dist.ProcessGroup | None = None,
-                 compile: bool | str = False) -> list[Qwen3MoeStage]:
+                 compile: bool | str = False, fp8: bool = False) -> list[Qwen3MoeStage]:
     """The stage modules (all, or ``indices``): weights copied from ``source``, read per stage from a
     Hugging Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``recompute``:
     ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``ep_group``: each MoE layer
     holds (and reads) only this rank's experts. ``compile``: True (inductor) or a backend name compiles each
-    layer's memory-bound parts (``DecoderStage.compile_targets``), linears kept out of the graph."""
+    layer's memory-bound parts (``DecoderStage.compile_targets``), linears kept out of the graph. ``fp8``
+    converts the linears (attention, dense and expert SwiGLUs; not the router or the head) to ``FP8Linear``
+    (1x128 activation tiles, 128x128 weight blocks), before loading when reading a checkpoint."""
     check_policy(recompute)
     backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
@@ -65,8 +68,8 @@ def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] 
 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
                             checkpoint=checkpoint, open_checkpoint=open_checkpoint,
-                            load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype), dtype=dtype,
-                            finish=stage_finisher(recompute, backend))
+                            load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype, fp8=fp8), dtype=dtype,
+                            prepare=convert_to_fp8 if fp8 else None, finish=stage_finisher(recompute, backend))
 
 
 def stages_for_rank(config: Qwen3MoeConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,
