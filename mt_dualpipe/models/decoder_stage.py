@@ -11,8 +11,9 @@ The family supplies only what differs: how its body is built (``__init__``), whe
 (``decoder``: ``self.model`` or LLaVA's ``self.model.language_model``) and, for LLaVA, what the first
 stage takes. Everything a schedule needs is here: the layer split (``stage_layer_ids``), the contract
 ``stage(x)`` -> hidden states and ``criterion(hidden, labels, normalizer=None)`` -> loss, weight copying
-(``load_from``), the stage list for a rank (``local_stage_indices``, ``build_stage_list``) and the bound
-criterion (``criterion_for``). DeepSeek-V3's stages (``integrations/deepseek_v3/stages.py``) keep their
+(``load_from``), the stage list for a rank (``local_stage_indices``, ``build_stage_list``), what
+``compile=`` compiles (``compile_targets``, applied with the recompute policy by ``stage_finisher``) and the
+bound criterion (``criterion_for``). DeepSeek-V3's stages (``integrations/deepseek_v3/stages.py``) keep their
 own class: their MTP module and overlapped forward/backward do not fit this contract.
 """
 
