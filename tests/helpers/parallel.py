@@ -351,3 +351,29 @@ def error_message(fn, errors: tuple[type[BaseException], ...] = (PipelineError, 
     except errors as exc:
         return str(exc)
     return "no error"
+
+
+def rank_micro_batches(sched, pp_rank: int, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...], list[int]]:
+    """One replica's ``(inputs, targets)`` micro-batches as a pipeline rank passes them to ``step``: the inputs
+    of the chains whose first stage it holds, the targets of those whose last stage it holds (each in the
+    order ``sched.microbatches_of`` gives), and the chains it ends (empty: it computes no loss)."""
+    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == pp_rank]
+    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == pp_rank]
+    inputs = [torch.cat([micro_batches[m][0] for m in sched.microbatches_of(first[0])])] if first else []
+    labels = (torch.cat([micro_batches[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
+    return inputs, labels, last
+
+
+def assert_params_match(mods, ref: nn.Module, label: str) -> dict[str, int]:
+    """Every parameter of the stage modules ``mods`` equals the same-named one of ``ref`` (float64 after a
+    step: rtol 1e-9); returns how many were checked per weight kind (``"dense"``, ``"expert"``)."""
+    from mt_dualpipe.parallel import weight_kind
+
+    checked = {"dense": 0, "expert": 0}
+    for mod in mods:
+        for name, p in mod.named_parameters():
+            torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-9, atol=1e-11,
+                                       msg=lambda m, name=name: f"{label}, {name}: {m}")
+            checked[weight_kind(p)] += 1
+    return checked

@@ -31,6 +31,7 @@ from mt_dualpipe.integrations.deepseek_v3 import (
 from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers
 from mt_dualpipe.parallel import weight_kind
 from tests.helpers.dist import run_ranks
+from tests.helpers.parallel import assert_params_match, rank_micro_batches
 
 LR = 0.5
 
@@ -143,24 +144,14 @@ def _mesh_step(rank, world, pp, dp, ep, schedule, dp_mode, num_mb):
     pipe = DualPipe(tuple(mods), **mesh) if schedule == "dualpipe" else Pipeline(mods, sched, **mesh)
     opt = pipe.build_optimizer(lambda params: torch.optim.SGD(params, lr=LR))
     replica = dims.coord("dp") * ep + dims.coord("ep")
-    mine = data[replica]
-    pp_rank = dims.coord("pp")
-    first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == pp_rank]
-    last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == pp_rank]
-    inputs = [torch.cat([mine[m][0] for m in sched.microbatches_of(first[0])])] if first else []
-    labels = (torch.cat([mine[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
+    inputs, labels, last = rank_micro_batches(sched, dims.coord("pp"), data[replica])
     opt.zero_grad()
     loss, _ = pipe.step(*inputs, num_chunks=num_mb, criterion=criterion_for(mods), labels=labels)
     opt.step()
     if last:
         want = torch.stack([ref_losses[replica, m] for m in sched.microbatches_of(last[0])])
         torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
-    checked = {"dense": 0, "expert": 0}
-    for mod in mods:
-        for name, p in mod.named_parameters():
-            torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-9, atol=1e-11,
-                                       msg=lambda m, name=name: f"{schedule}/{dp_mode}, {name}: {m}")
-            checked[weight_kind(p)] += 1
+    checked = assert_params_match(mods, ref, f"{schedule}/{dp_mode}")
     sync_expert_load(mods, dims)
     for mod in mods:
         for name, buf in mod.named_buffers():

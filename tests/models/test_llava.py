@@ -299,18 +299,24 @@ def test_the_published_llava_15_7b_config_gives_its_sizes():
     assert planner_spec(config).total_params() == model.num_parameters(trainable_only=True)
 
 
-def test_recompute_policies_give_the_same_gradients():
-    """"selective" and "full" (the vision layers' regions included) give the same gradients as "none"."""
+def one_stage_grads(**kwargs):
+    """The tiny model as one float64 stage built with ``kwargs``, one forward and backward on ``batch``: the
+    stage and its parameters' gradients."""
     config = LlavaConfig.preset("tiny")
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).double()
     tokens, pixels = batch(config)
     x, y = next_token_labels(tokens, config.image_token_id, 0)
+    (st,) = build_stages(config, 1, source=model, dtype=torch.float64, defer_weight_grads=False, **kwargs)
+    st.criterion(st(x, pixels), y).backward()
+    return st, {n: p.grad for n, p in st.named_parameters() if p.grad is not None}
+
+
+def test_recompute_policies_give_the_same_gradients():
+    """"selective" and "full" (the vision layers' regions included) give the same gradients as "none"."""
     grads = {}
     for policy in ("none", "selective", "full"):
-        (st,) = build_stages(config, 1, source=model, dtype=torch.float64, recompute=policy, defer_weight_grads=False)
-        st.criterion(st(x, pixels), y).backward()
-        grads[policy] = {n: p.grad for n, p in st.named_parameters() if p.grad is not None}
+        st, grads[policy] = one_stage_grads(recompute=policy)
         if policy != "none":
             assert any("vision" in tag for tag in st.recompute_calls)
     for policy in ("selective", "full"):
@@ -325,19 +331,12 @@ def test_compiled_stages_give_the_same_gradients():
     from mt_dualpipe.integrations.compile import compiled_targets
 
     torch._dynamo.reset()
-    config = LlavaConfig.preset("tiny")
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).double()
-    tokens, pixels = batch(config)
-    x, y = next_token_labels(tokens, config.image_token_id, 0)
     grads = {}
     for compile in (False, "aot_eager"):
-        (st,) = build_stages(config, 1, source=model, dtype=torch.float64, compile=compile, defer_weight_grads=False)
-        st.criterion(st(x, pixels), y).backward()
-        grads[compile] = {n: p.grad for n, p in st.named_parameters() if p.grad is not None}
+        st, grads[compile] = one_stage_grads(compile=compile)
         if compile:
             compiled = compiled_targets(st)
-            assert len(compiled) == 4 * config.num_hidden_layers + 1  # 2 norms, attention, MLP per layer; the norm
+            assert len(compiled) == 4 * st.config.num_hidden_layers + 1  # 2 norms, attention, MLP per layer; the norm
             assert not any(m is st.model.vision_tower or m in list(st.model.vision_tower.modules()) for m in compiled)
     assert grads["aot_eager"].keys() == grads[False].keys()
     for n, g in grads[False].items():

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, criterion_for, stages_for_rank
-from mt_dualpipe.parallel import weight_kind
 from tests.helpers.dist import run_ranks
+from tests.helpers.parallel import assert_params_match, rank_micro_batches
 
 LR = 0.5
 NUM_MB = 4
@@ -69,23 +69,14 @@ def _step(rank: int, world: int, schedule: str) -> tuple[str | None, dict | None
         pipe = Pipeline(mods, sched, mesh=dims, dp_mode="zero1", dp_batch="local", timeout=60)
         opt = pipe.build_optimizer(lambda params: torch.optim.SGD(params, lr=LR))
         replica = dims.coord("ep")
-        mine = data[replica]
-        first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == pp_rank]
-        last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == pp_rank]
-        inputs = [torch.cat([mine[m][0] for m in sched.microbatches_of(first[0])])] if first else []
-        labels = (torch.cat([mine[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
+        inputs, labels, last = rank_micro_batches(sched, pp_rank, data[replica])
         opt.zero_grad()
         loss, _ = pipe.step(*inputs, num_chunks=NUM_MB, criterion=criterion_for(mods), labels=labels)
         opt.step()
         if last:
             want = torch.stack([ref_losses[replica, m] for m in sched.microbatches_of(last[0])])
             torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
-        checked = {"dense": 0, "expert": 0}
-        for mod in mods:
-            for name, p in mod.named_parameters():
-                torch.testing.assert_close(p.detach(), ref.get_parameter(name).detach(), rtol=1e-9, atol=1e-11,
-                                           msg=lambda m, name=name: f"{schedule}, {name}: {m}")
-                checked[weight_kind(p)] += 1
+        checked = assert_params_match(mods, ref, schedule)
         experts = sorted({int(n.split(".experts.")[1].split(".")[0]) for m in mods for n, _ in m.named_parameters()
                           if ".experts." in n})
         return None, {"checked": checked, "experts": experts}
