@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import mt_dualpipe
 from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, YarnScaling
 from mt_dualpipe.integrations.deepseek_v3.hf_names import to_hf_name
 from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
@@ -127,7 +128,8 @@ def test_transformers_checkpoint_gives_the_same_logits(tmp_path, yarn):
             ref = hf(tokens()).logits
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1  # sharded, read through the index
     # transformers does not save the MTP layer: load the main model only
-    ours = DeepSeekV3Model.from_pretrained(tmp_path, dtype=torch.float64, mtp_depth=0).eval()
+    ours = mt_dualpipe.from_pretrained(tmp_path, dtype=torch.float64, mtp_depth=0).eval()  # the one entry point
+    assert type(ours) is DeepSeekV3Model
     with torch.no_grad():
         got = ours(tokens())
     assert relative_error(got, ref) < 1e-12

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import mt_dualpipe
 import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
 from mt_dualpipe.integrations.fp8 import FP8Linear, dequantize, quantize_blocks
 from mt_dualpipe.integrations.llama import (
@@ -79,7 +80,8 @@ def test_transformers_checkpoint_gives_the_same_logits_and_back(tmp_path, tie, s
         hf.save_pretrained(tmp_path / "hf", max_shard_size="30KB")
         with torch.no_grad():
             ref = hf(tokens()).logits
-    ours = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    ours = mt_dualpipe.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()  # the one entry point
+    assert type(ours) is LlamaForCausalLM
     assert ("lm_head.weight" in dict(ours.named_parameters())) is not tie
     with torch.no_grad():
         assert relative_error(ours(tokens()), ref) < 1e-12
