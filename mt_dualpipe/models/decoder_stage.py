@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..integrations.compile import compile_stage
-from ..integrations.recompute import apply_recompute
+from ..integrations.compile import check_backend, compile_stage
+from ..integrations.hf_checkpoint import open_checkpoint
+from ..integrations.recompute import apply_recompute, check_policy
 from ..layers import MoEBlock, lm_loss, logits
 from ..runtime.deferred import defer_weight_grads as _defer_weight_grads
 
@@ -170,13 +171,15 @@ def local_stage_indices(schedule: Any, rank: int) -> tuple[int, list[int]]:
 
 def build_stage_list(make: Callable[[int], DecoderStage], wanted: Iterable[int], *, source: nn.Module | None,
                      checkpoint: Any, load: Callable[[Callable[[], DecoderStage], Any], DecoderStage],
-                     open_checkpoint: Callable[[Any], Any], dtype: torch.dtype | None = None,
-                     prepare: Callable[[DecoderStage], Any] | None = None, recompute: str = "none",
-                     finish: Callable[[DecoderStage], Any] | None = None) -> list[DecoderStage]:
+                     dtype: torch.dtype | None = None, prepare: Callable[[DecoderStage], Any] | None = None,
+                     recompute: str = "none", compile: bool | str = False) -> list[DecoderStage]:
     """The stages ``wanted``: read per stage from ``checkpoint`` (``load(factory, ckpt)``: only the stage's
     tensors), or built, cast to ``dtype``, copied from ``source`` and ``prepare``d (Llama's FP8 conversion,
-    which a checkpoint load does itself), or freshly initialised; then ``finish`` (default: the
-    ``recompute`` policy; Llama's compile path applies the policy inside its compiled regions)."""
+    which a checkpoint load does itself), or freshly initialised; then ``stage_finisher``: the
+    ``recompute`` policy, applied inside the compiled regions when ``compile`` names a backend (True:
+    inductor). Both options are checked before any stage is built."""
+    check_policy(recompute)
+    finish = stage_finisher(recompute, check_backend(compile))
     if source is not None and checkpoint is not None:
         raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
     if checkpoint is not None:
@@ -192,10 +195,7 @@ def build_stage_list(make: Callable[[int], DecoderStage], wanted: Iterable[int],
             if prepare is not None:
                 prepare(st)
     for st in stages:
-        if finish is None:
-            apply_recompute(st, recompute)
-        else:
-            finish(st)
+        finish(st)
     return stages
 
 

@@ -16,13 +16,11 @@ from typing import Any
 
 import torch
 
-from ...integrations.compile import check_backend
 from ...integrations.fp8 import convert_to_fp8
-from ...integrations.recompute import check_policy
 from ...layers import deferred_init, lm_head
-from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
+from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
-from .checkpoint import build_loaded, is_fp8_weight, open_checkpoint
+from .checkpoint import build_loaded, is_fp8_weight
 from .config import LlamaConfig
 from .model import LlamaBody, init_llama
 
@@ -58,17 +56,15 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
     ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``compile``: True
     (inductor) or a backend name compiles each layer's memory-bound parts, linears kept out of the
     graph (``integrations/compile.py``)."""
-    check_policy(recompute)
-    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
 
     def make(i: int) -> LlamaStage:
         return LlamaStage(config, i, num_stages, ids[i], defer_weight_grads)
 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
-                            checkpoint=checkpoint, open_checkpoint=open_checkpoint,
+                            checkpoint=checkpoint,
                             load=lambda factory, ckpt: build_loaded(factory, ckpt, fp8=fp8),
-                            prepare=convert_to_fp8 if fp8 else None, finish=stage_finisher(recompute, backend))
+                            prepare=convert_to_fp8 if fp8 else None, recompute=recompute, compile=compile)
 
 
 def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,

@@ -20,13 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...integrations.compile import check_backend
-from ...integrations.recompute import check_policy
 from ...layers import deferred_init, lm_head
-from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
+from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
 from .balance import balanced_layout
-from .checkpoint import build_loaded, open_checkpoint
+from .checkpoint import build_loaded
 from .config import LlavaConfig
 from .model import LlavaBody, embed_inputs, init_llava
 
@@ -79,17 +77,15 @@ def build_stages(config: LlavaConfig, num_stages: int, layout: Sequence[int] | N
     ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``; the vision layers too).
     ``compile``: True (inductor) or a backend name compiles each text layer's memory-bound parts
     (``DecoderStage.compile_targets``; the vision tower stays eager: its image count changes per micro-batch)."""
-    check_policy(recompute)
-    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
 
     def make(i: int) -> LlavaStage:
         return LlavaStage(config, i, num_stages, ids[i], defer_weight_grads)
 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
-                            checkpoint=checkpoint, open_checkpoint=open_checkpoint,
+                            checkpoint=checkpoint,
                             load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype), dtype=dtype,
-                            finish=stage_finisher(recompute, backend))
+                            recompute=recompute, compile=compile)
 
 
 def stages_for_rank(config: LlavaConfig, schedule: Any, rank: int, layout: Sequence[int] | str | None = None, *,

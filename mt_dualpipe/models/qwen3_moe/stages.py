@@ -16,13 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...integrations.compile import check_backend
 from ...integrations.fp8 import convert_to_fp8
-from ...integrations.recompute import check_policy
 from ...layers import deferred_init, lm_head
-from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices, stage_finisher
+from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
-from .checkpoint import build_loaded, open_checkpoint
+from .checkpoint import build_loaded
 from .config import Qwen3MoeConfig
 from .model import Qwen3MoeBody, init_qwen3_moe
 
@@ -59,17 +57,15 @@ def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] 
     layer's memory-bound parts (``DecoderStage.compile_targets``), linears kept out of the graph. ``fp8``
     converts the linears (attention, dense and expert SwiGLUs; not the router or the head) to ``FP8Linear``
     (1x128 activation tiles, 128x128 weight blocks), before loading when reading a checkpoint."""
-    check_policy(recompute)
-    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
 
     def make(i: int) -> Qwen3MoeStage:
         return Qwen3MoeStage(config, i, num_stages, ids[i], defer_weight_grads, ep_group)
 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
-                            checkpoint=checkpoint, open_checkpoint=open_checkpoint,
+                            checkpoint=checkpoint,
                             load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype, fp8=fp8), dtype=dtype,
-                            prepare=convert_to_fp8 if fp8 else None, finish=stage_finisher(recompute, backend))
+                            prepare=convert_to_fp8 if fp8 else None, recompute=recompute, compile=compile)
 
 
 def stages_for_rank(config: Qwen3MoeConfig, schedule: Any, rank: int, layout: Sequence[int] | None = None,
