@@ -65,6 +65,16 @@ class Router(nn.Module):
         return {"logits": self.num_experts, "probs": self.num_experts, "topk": 2 * self.top_k}
 
 
+def chosen_weights(scores: torch.Tensor, indices: torch.Tensor, renormalise: bool, scale: float = 1.0
+                   ) -> torch.Tensor:
+    """The gate weights of the chosen experts: their scores, renormalised over the k when asked, times
+    ``scale`` (DeepSeek's ``routed_scaling_factor``); the choice itself carries no gradient."""
+    weights = scores.gather(1, indices)
+    if renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * scale
+
+
 def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int,
                        group_score: str = "top2") -> torch.Tensor:
     """Expert ids (tokens, k): the experts split into ``n_groups`` equal groups, each scored by the sum of
@@ -121,10 +131,7 @@ class SigmoidGroupLimitedRouter(Router):
         with torch.no_grad():
             choice = scores + self.e_score_correction_bias.to(scores.dtype)
             indices = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups)
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights * self.route_scale, indices, scores
+        return chosen_weights(scores, indices, self.norm_topk_prob, self.route_scale), indices, scores
 
     def balance_probs(self, scores: torch.Tensor) -> torch.Tensor:
         return scores / scores.sum(-1, keepdim=True)

@@ -29,7 +29,7 @@ from torch import nn
 from ...layers.balance import AuxLoss
 from ...layers.common import compute_dtype
 from ...layers.norm import rms_norm
-from ...layers.router import Router, Routing, group_limited_topk
+from ...layers.router import Router, Routing, chosen_weights, group_limited_topk
 from ...parallel.weight_kinds import set_weight_kind
 from ..balancing import batch_balance_loss, bias_update, capacity_keep, device_limited_mask, sequence_balance_loss
 from ..fp8.linear import FP8Linear, fp8_swiglu_down
@@ -276,10 +276,7 @@ class Gate(Router):
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         with torch.no_grad():
             indices = self.choose(scores)
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights * self.route_scale, indices, scores
+        return chosen_weights(scores, indices, self.norm_topk_prob, self.route_scale), indices, scores
 
     def balance_probs(self, scores: torch.Tensor) -> torch.Tensor:
         return scores / scores.sum(-1, keepdim=True) if self.scoring_func == "sigmoid" else scores
