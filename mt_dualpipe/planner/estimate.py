@@ -334,12 +334,12 @@ def planned_rank_peaks(schedule: Schedule, items: list[Item], layer_counts: list
                             f"{len(items)}")
     act, held, k = [], [], 0
     for i, n in enumerate(layer_counts):
-        n += (i == 0) + (i == len(layer_counts) - 1)  # + the embedding, + the head
-        if i == len(layer_counts) - 1:
-            n = len(items) - k  # the head item(s) to the end (DeepSeek-V3's MTP rides with the head)
-        act.append(sum(it.act_bytes for it in items[k:k + n]) * tokens)
-        held.append(sum(it.w_act_bytes for it in items[k:k + n]) * tokens)
-        k += n
+        # the first stage also takes the embedding, the last every item to the end (the head, with
+        # DeepSeek-V3's MTP riding on it)
+        end = len(items) if i == len(layer_counts) - 1 else k + n + (i == 0)
+        act.append(sum(it.act_bytes for it in items[k:end]) * tokens)
+        held.append(sum(it.w_act_bytes for it in items[k:end]) * tokens)
+        k = end
     hidden = [0.0] + [hidden_bytes] * (len(layer_counts) - 1)
     return [activation_peak_bytes(schedule.ranks[r], act, held, hidden) for r in range(len(schedule.ranks))]
 
