@@ -21,7 +21,8 @@ deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies 
 - **MLA**: the wkv_a output (latent + decoupled rope key, the kv RMSNorm input), the q and kv
   latents' norms and the up-projections' inputs.
 - **SwiGLU** (dense FFN, each expert, shared experts): the gate and up products and silu(gate)
-  (model dtype), and the down-projection's input.
+  (model dtype), and the down-projection's input. A **GeLU MLP** (``use_swiglu: false``, GPT-style)
+  keeps the GeLU's input and the down-projection's input.
 - **MoE routing** (never recomputed): the router input in the compute dtype (and, in a model that is
   not float32, the router weight's float32 copy, once per micro-batch), the affinities, the
   chosen ids and gate weights, the normalisation's sum, the balance loss's per-token terms, the
@@ -154,6 +155,23 @@ def swiglu(ffn: int, t: Dtypes, recompute_product: bool = False, weighted: bool 
     return (2 if recompute_product else 3) * ffn * t.elem + ffn * t.lin + (ffn * t.elem if weighted else 0.0)
 
 
+def gelu(ffn: int, t: Dtypes) -> float:
+    """One GeLU MLP's saved tensors past its input: the GeLU's input (the up-projection's output, kept for
+    the GeLU's derivative) and the down-projection's input (the GeLU's output): two ``ffn`` tensors, where a
+    SwiGLU keeps three (``swiglu``)."""
+    return ffn * t.elem + ffn * t.lin
+
+
+def eager_score_bytes(t: Dtypes) -> float:
+    """Bytes this library's eager core (``layers.attention_core.eager_core``) moves per S×S score element in
+    F between its two products: the scale (read, write), the causal ``masked_fill`` (read, write), the
+    softmax into the compute dtype (read ``elem``, write ``comp``) and its cast back (read ``comp``, write
+    ``elem``; none in a model already in the compute dtype). Priced by ``estimate`` at the HBM's rate, as
+    every memory-bound kernel is (the backward twice)."""
+    cast = t.comp + t.elem if t.comp != t.elem else 0.0
+    return 2 * t.elem + 2 * t.elem + (t.elem + t.comp) + cast
+
+
 def core_attention(heads: int, dqk: int, v_store: int, seq: int, mbs: int, t: Dtypes) -> float:
     """QKᵀ operands, probabilities (compute dtype, plus a model-dtype copy), the causal mask and the
     storage the ·V einsum's v lives in (``v_store`` elements per token). A fused (flash) core keeps
@@ -238,13 +256,14 @@ def attention_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str)
 
 
 def dense_ffn_saved(hidden: int, ffn: int, t: Dtypes, recompute: str, product_recomputed: bool,
-                    up_readers: int = 1) -> float:
-    """FFN sublayer of a dense layer: its norm, the up-projections' input and the SwiGLU (nothing
-    under "full": the whole layer is one recomputed region, counted by the attention's input).
-    ``up_readers``: FP8 copies of the up-projections' input (1: DeepSeek's ``MLP`` shares one)."""
+                    up_readers: int = 1, gated: bool = True) -> float:
+    """FFN sublayer of a dense layer: its norm, the up-projections' input and the SwiGLU (``gated``) or
+    GeLU MLP (nothing under "full": the whole layer is one recomputed region, counted by the attention's
+    input). ``up_readers``: FP8 copies of the up-projections' input (1: DeepSeek's ``MLP`` shares one)."""
     if recompute == "full":
         return 0.0
-    return rms_norm(hidden, t) + t.linear_input(hidden, up_readers) + swiglu(ffn, t, product_recomputed)
+    mlp = swiglu(ffn, t, product_recomputed) if gated else gelu(ffn, t)
+    return rms_norm(hidden, t) + t.linear_input(hidden, up_readers) + mlp
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .activations import memory_savers
 from .estimate import Estimate, Strategy, estimate
+from .megatron_layer import with_implementation
 from .model import ModelSpec
 from .system import SystemSpec, load_system
 
@@ -75,15 +76,19 @@ def load_runs(path: Path = DATA) -> dict:
 
 
 def run_model(name: str, models: dict) -> ModelSpec:
-    """A run's model: one described in the data file, else a bundled one (``ModelSpec.load``)."""
+    """A run's model: one described in the data file, else a bundled one (``ModelSpec.load``). A described
+    model may name the ``implementation`` whose layers the run built (``megatron_layer.IMPLEMENTATIONS``):
+    what a layer keeps and moves is that implementation's, not this library's modules'."""
     if name in models:
         data = {k: v for k, v in models[name].items() if not k.startswith("_")}
-        return ModelSpec.from_dict(data, source=name)
+        implementation = data.pop("implementation", "mt_dualpipe")
+        return with_implementation(ModelSpec.from_dict(data, source=name), implementation)
     return ModelSpec.load(name)
 
 
 def run_strategy(run: dict) -> Strategy:
-    """The run's published layout as a planner strategy (micro-batches from the global batch)."""
+    """The run's published layout as a planner strategy (micro-batches from the global batch; its stage cut
+    and core attention where the run gives them)."""
     s = dict(run["strategy"])
     per_replica = s["dp"]  # the planner's dp counts the expert-parallel ranks too (Megatron's way)
     mbs = s.get("micro_batch_size", 1)
@@ -92,7 +97,9 @@ def run_strategy(run: dict) -> Strategy:
     return Strategy(pp=s["pp"], schedule=s["schedule"], num_microbatches=run["global_batch"] // (per_replica * mbs),
                     ep=s.get("ep", 1), dp=s["dp"], micro_batch_size=mbs, seq_len=s["seq_len"],
                     zero=s.get("zero", 1), dtype=s.get("dtype", "bf16"), recompute=s.get("recompute", "selective"),
-                    virtual_stages=s.get("virtual_stages", 1), tp=s.get("tp", 1))
+                    virtual_stages=s.get("virtual_stages", 1), tp=s.get("tp", 1),
+                    layers_per_stage=tuple(s["layers_per_stage"]) if "layers_per_stage" in s else None,
+                    attention=s.get("attention", "fused"))
 
 
 def published_step(run: dict, model: ModelSpec, strategy: Strategy) -> float:

@@ -29,10 +29,12 @@ the same simulator as everything else in this library. Around it:
 
 Costs of a stage: F = matmul FLOPs / the achieved rate of the strategy's precision (``SystemSpec.mm_rate``:
 per GPU and precision, from published kernel benchmarks; FP8 training keeps the head and the router in
-BF16, ``Item.bf16_mm_flops``) + core attention / attention rate + memory-bound bytes / HBM rate
-(``Item.hbm_bytes``: norms, residual adds, SwiGLU, MoE permutes, FP8 casts); B = the input-gradient
-matmuls (same FLOPs as F's matmuls) + the core attention's backward (2x F's for an eager core, 2.5x for a
-flash-style one, which rebuilds its scores: ``FLASH_BACKWARD``) + 2x the memory-bound bytes; W = the weight-
+BF16, ``Item.bf16_mm_flops``) + core attention / attention rate (a flash-style core runs the causal half
+of the products, an eager one all of them: ``core_work``) + memory-bound bytes / HBM rate (``Item.hbm_bytes``:
+norms, residual adds, SwiGLU, MoE permutes, FP8 casts, an eager core's softmax passes over its scores);
+B = the input-gradient matmuls (same FLOPs as F's matmuls) + the core attention's backward (2x F's for an
+eager core, 2.5x for a flash-style one, which rebuilds its scores: ``FLASH_BACKWARD``) + 2x the memory-bound
+bytes; W = the weight-
 gradient matmuls (same FLOPs again). With tensor parallelism (``Strategy.tp``, Megatron-style with
 sequence parallelism) all of it is divided over the group and each decoder layer adds its collectives
 (``tp_collective_time``: 4 in F, 6 in B); weights, gradients, optimizer state and saved activations are
@@ -138,11 +140,13 @@ class Estimate:
 ACT_UNIT = {"fp8": FP8_LIN, "bf16": 2.0, "fp32": 4.0}  # bytes per cached linear-input element
 
 
-def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str, tp: int = 1) -> float:
+def item_time(item: Item, tokens: int, system: SystemSpec, dtype: str, tp: int = 1, attention: str = "fused"
+              ) -> float:
     """One item's forward seconds on one rank of a ``tp``-way tensor-parallel group: its matmuls at the
-    achieved rate of ``dtype``, core attention at BF16's, memory-bound kernels at the HBM's."""
+    achieved rate of ``dtype``, core attention at BF16's (the work ``attention``'s core runs:
+    ``core_work``), memory-bound kernels at the HBM's."""
     attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency
-    return tokens * (mm_seconds(item, system, dtype) + item.attn_flops / attn_rate
+    return tokens * (mm_seconds(item, system, dtype) + core_work(attention)[0] * item.attn_flops / attn_rate
                      + item.hbm_bytes / system.hbm_rate()) / tp
 
 
@@ -184,7 +188,8 @@ def stage_items(model: ModelSpec, strategy: Strategy, system: SystemSpec) -> lis
                                 f"{model.layer_num} layers")
         sizes = [n + (s == 0) + (s == stages - 1) for s, n in enumerate(layers)]  # + embedding, + head
     else:
-        times = [3 * item_time(i, tokens, system, strategy.dtype, strategy.tp) + 1e-9 for i in items]
+        times = [3 * item_time(i, tokens, system, strategy.dtype, strategy.tp, strategy.attention) + 1e-9
+                 for i in items]
         sizes = partition(times, stages)
     out, k = [], 0
     for n in sizes:
@@ -238,6 +243,18 @@ FLASH_BACKWARD = 2.5
 log-sum-exp, then runs dV, dP, dQ and dK: 5 products of the forward's size against the forward's 2 (the
 flash-attention repository counts its backward FLOPs as 2.5x the forward's in its benchmarks). An eager core
 keeps the probabilities: 4 products, 2x."""
+EAGER_CORE_WORK = 2.0
+"""The products an eager core runs, in units of the causal FLOPs the model counts (``Item.attn_flops``, half
+of QKᵀ and P·V): it computes every score and masks the upper half afterwards (an einsum or Megatron-LM's
+``baddbmm``), where a flash-style kernel skips the masked blocks."""
+
+
+def core_work(attention: str) -> tuple[float, float]:
+    """(F, B) work of the core attention in units of ``Item.attn_flops``: a flash-style (``"fused"``) core runs
+    the causal half, ``FLASH_BACKWARD`` in B; an eager one the full products (``EAGER_CORE_WORK``), twice in B."""
+    if attention == "fused":
+        return 1.0, FLASH_BACKWARD
+    return EAGER_CORE_WORK, 2 * EAGER_CORE_WORK
 
 TP_FORWARD_COLLECTIVES = 4
 """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al. 2022, "Reducing
@@ -296,7 +313,7 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
     the SMs communication leaves it (``overlaps_communication``)."""
     tokens = strategy.seq_len * strategy.micro_batch_size
     tp = strategy.tp
-    attn_back = FLASH_BACKWARD if strategy.attention == "fused" else 2.0  # B's core attention, in F's units
+    attn_f, attn_b = core_work(strategy.attention)
     share = system.overlap_share() if overlaps_communication(model, strategy) else 1.0
     attn_rate = system.tflops_bf16 * 1e12 * system.attn_efficiency * tp * share
     hbm_rate = system.hbm_rate() * tp
@@ -305,15 +322,15 @@ def stage_costs(model: ModelSpec, strategy: Strategy, system: SystemSpec,
     f, b, w, af, rc = [], [], [], [], []
     for group in stages:
         mm = sum(mm_seconds(i, system, strategy.dtype) for i in group) * tokens / (tp * share)
-        at = sum(i.attn_flops for i in group) * tokens / attn_rate
+        at = sum(i.attn_flops for i in group) * tokens / attn_rate  # the causal FLOPs; the core runs attn_f x
         mem = sum(i.hbm_bytes for i in group) * tokens / hbm_rate
         layers = sum(1 for i in group if i.attn_flops > 0)
-        f.append(mm + at + mem + layers * TP_FORWARD_COLLECTIVES * coll)
-        b.append(mm + attn_back * at + 2 * mem + layers * TP_BACKWARD_COLLECTIVES * coll)
+        f.append(mm + attn_f * at + mem + layers * TP_FORWARD_COLLECTIVES * coll)
+        b.append(mm + attn_b * at + 2 * mem + layers * TP_BACKWARD_COLLECTIVES * coll)
         w.append(mm)
         af.append(a2a * sum(1 for i in group if i.moe))
         rc.append(sum(i.recompute_mm_flops for i in group) * tokens / (system.mm_rate(strategy.dtype) * tp * share)
-                  + sum(i.recompute_attn_flops for i in group) * tokens / attn_rate)
+                  + attn_f * sum(i.recompute_attn_flops for i in group) * tokens / attn_rate)
     across = strategy.dp * tp >= system.gpus_per_node  # pipeline neighbours sit in different nodes
     bw, lat = system.link(across)
     hop = tokens * model.hidden_size * 2 / tp / bw + lat  # sequence parallel: each rank sends its shard

@@ -37,6 +37,7 @@ from .activations import (
     attention_w_held,
     dense_ffn_saved,
     dense_ffn_w_held,
+    eager_score_bytes,
     head_saved,
     head_w_held,
     moe_saved,
@@ -92,21 +93,22 @@ class Item:
     #                             gating modules ... retain their original precision")
 
 
-def memory_bound_bytes(h: int, linear_inputs: float, ffn: float, routed_copies: int, elem: float, fp8: bool
-                       ) -> float:
+def memory_bound_bytes(h: int, linear_inputs: float, ffn: float, routed_copies: int, elem: float, fp8: bool,
+                       gated: bool = True) -> float:
     """Forward HBM bytes per token of one decoder layer's memory-bound kernels (priced in ``estimate`` by
     bytes over the GPU's HBM bandwidth; the backward moves about twice as much: it reads the saved
     tensor and the incoming gradient and writes the gradient).
 
     - two RMSNorms (read and write ``h``) and two residual adds (read ``2h``, write ``h``): ``10 h`` elements;
     - SwiGLU: reads gate and up, writes their product: ``3 ffn`` elements (``ffn``: the intermediate
-      widths one token passes, the routed experts' ``topk x moe_ffn`` plus the shared expert's);
+      widths one token passes, the routed experts' ``topk x moe_ffn`` plus the shared expert's); a GeLU
+      MLP (not ``gated``) reads one and writes one: ``2 ffn``;
     - MoE permutes: dispatch writes ``routed_copies`` rows of ``h`` (read once), combine reads them back
       and writes one: ``2 (copies + 1) h`` elements;
     - FP8 training: every linear input is cast (read ``elem``, write 1 byte; the 1x128 scales are 1/128
       more): ``linear_inputs`` elements (the widths of the distinct linear inputs).
     """
-    elems = 10 * h + 3 * ffn + (2 * (routed_copies + 1) * h if routed_copies else 0)
+    elems = 10 * h + (3 if gated else 2) * ffn + (2 * (routed_copies + 1) * h if routed_copies else 0)
     cast = linear_inputs * (elem + 1 + 4 / 128) if fp8 else 0.0
     return elems * elem + cast
 
@@ -142,12 +144,16 @@ class ModelSpec:
     # When given it replaces ``planner/activations.py``'s description of the layer's saved bytes, so the
     # planner counts what the runtime's modules declare (the Qwen3-MoE family's ``spec.py`` sets it).
     declared_saved: Callable[[str, str, int], float] | None = field(default=None, compare=False)
+    # Bytes an eager core's elementwise kernels move per S×S score element in F (None: this library's
+    # ``eager_core``, ``activations.eager_score_bytes``); a published run's own layer sets its kernels' figure
+    # (``planner/megatron_layer.py``: Megatron-LM's fused softmax and attention dropout).
+    score_bytes: float | None = field(default=None, compare=False)
 
     # ----- loading --------------------------------------------------------------------------------
     @classmethod
     def fields(cls) -> list[str]:
         """The model keys a description may give (SimuMax's names), besides ``DESCRIPTIVE_KEYS``."""
-        return [f for f in cls.__dataclass_fields__ if f not in ("name", "source", "declared_saved")]
+        return [f for f in cls.__dataclass_fields__ if f not in ("name", "source", "declared_saved", "score_bytes")]
 
     @classmethod
     def canonical(cls, data: dict, where: str = "model description") -> dict:
@@ -310,7 +316,8 @@ class ModelSpec:
             mm, router = 2 * self.mlp_params(self.intermediate_size), 0.0
             up_readers = 1 if mla else 2  # DeepSeek's MLP quantises gate/up's input once, Llama's each linear
             act += dense_ffn_saved(h, self.intermediate_size, t, recompute,
-                                   product_recomputed=not mla and recompute == "selective", up_readers=up_readers)
+                                   product_recomputed=not mla and recompute == "selective", up_readers=up_readers,
+                                   gated=self.use_swiglu)
             params, moe = (attn_p + self.mlp_params(self.intermediate_size) + h, 0.0), False
             w_held += dense_ffn_w_held(h, self.intermediate_size, t, up_readers)
         if self.declared_saved is not None:  # the family's modules say what they keep (elements, model dtype)
@@ -328,7 +335,9 @@ class ModelSpec:
             else self.intermediate_size
         lin_in = (h + (self.q_lora_rank + self.kv_lora_rank if mla else 0) + n * dv  # attention's linears
                   + h * (1 + (self.topk if moe else 0)) + width)                   # the MLP's: input(s), down-proj
-        hbm = memory_bound_bytes(h, lin_in, width, self.topk if moe else 0, elem, t.fp8)
+        hbm = memory_bound_bytes(h, lin_in, width, self.topk if moe else 0, elem, t.fp8, gated=self.use_swiglu)
+        if not t.fused_attention:  # an eager core's softmax passes over the full S×S scores of every head
+            hbm += n * seq_len * (eager_score_bytes(t) if self.score_bytes is None else self.score_bytes)
         return Item(f"layer{layer_id}", params[0], params[1], attn_mm + mm, attn_core, act, moe, re_mm, re_attn,
                     w_held, attn_p - norms + ffn_linears, hbm, router)
 

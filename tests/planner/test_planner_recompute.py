@@ -8,7 +8,14 @@ from dataclasses import replace
 import pytest
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate
-from mt_dualpipe.planner.estimate import FLASH_BACKWARD, mm_seconds, overlaps_communication, stage_costs, stage_items
+from mt_dualpipe.planner.estimate import (
+    EAGER_CORE_WORK,
+    FLASH_BACKWARD,
+    mm_seconds,
+    overlaps_communication,
+    stage_costs,
+    stage_items,
+)
 from mt_dualpipe.schedules import build_schedule
 from mt_dualpipe.schedules.errors import ScheduleError
 from mt_dualpipe.schedules.simulate import run_schedule
@@ -109,10 +116,16 @@ def test_recompute_none_keeps_the_time_model_and_others_charge_costs_recompute(m
         assert st.attention == "fused"
         assert (none.f[s], none.b[s], none.w[s]) == pytest.approx(
             (mm + at + mem, mm + FLASH_BACKWARD * at + 2 * mem, mm), rel=1e-12)
-    eager = _costs(model, replace(st, recompute="none", attention="eager"))  # an eager core: B = 2x its F
-    for s, group in enumerate(stages):
+    # an eager core runs the full S×S products (EAGER_CORE_WORK x the causal FLOPs), twice that in B, and its
+    # softmax passes over the scores are memory-bound work (in the eager items' hbm_bytes)
+    eager_st = replace(st, recompute="none", attention="eager")
+    eager = _costs(model, eager_st)
+    for s, group in enumerate(stage_items(model, eager_st, H100)):
+        mm = sum(mm_seconds(i, H100, st.dtype) for i in group) * tokens / share
         at = sum(i.attn_flops for i in group) * tokens / attn_rate
-        assert eager.b[s] - eager.f[s] == pytest.approx(none.b[s] - none.f[s] - (FLASH_BACKWARD - 2) * at, rel=1e-9)
+        mem = sum(i.hbm_bytes for i in group) * tokens / H100.hbm_rate()
+        assert (eager.f[s], eager.b[s]) == pytest.approx(
+            (mm + EAGER_CORE_WORK * at + mem, mm + 2 * EAGER_CORE_WORK * at + 2 * mem), rel=1e-12)
     for policy in ("selective", "full"):
         costs = _costs(model, replace(st, recompute=policy))
         assert (costs.f, costs.b, costs.w) == (none.f, none.b, none.w)  # the recompute is not folded into B
