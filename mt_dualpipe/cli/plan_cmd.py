@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from ..models.planner_specs import PLANNER_MODELS, planner_model
 from ..planner import ModelSpec, plan
 from ..planner.activations import memory_savers
 from ..planner.report import print_plan
-from ..planner.runnable import ZERO_STAGES, demo_command, launch, zero_from_config
+from ..planner.runnable import ZERO_STAGES, demo_command, launch, miniature, zero_from_config
+from ..planner.search import PlanResult
 from ..planner.system import load_system, parse_size_gb
 from ..schedules.errors import ScheduleError
 
@@ -72,10 +74,11 @@ def register(subparsers) -> None:
                    "layouts (a few seconds each)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
-    p.add_argument("--memory-savers", default="none",
+    p.add_argument("--memory-savers", default="auto",
                    help="DeepSeek-V3's activation savers to count, as the runtime's DeepSeekV3Config.memory_savers: "
-                        "'all', 'none' (default) or a comma-separated subset of norm, swiglu, combine, router, "
-                        "attention (planner/activations.py)")
+                        "'auto' (default: none, or all of them when nothing fits without them on a model whose "
+                        "modules have them), 'all', 'none' or a comma-separated subset of norm, swiglu, combine, "
+                        "router, attention, loss, mla_input (planner/activations.py)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -140,15 +143,43 @@ def with_commands(data: dict) -> dict:
     entries = data["configurations"] + data["over_memory"] + ([data["reference"]] if data.get("reference") else [])
     for entry in entries:
         entry["command"] = demo_command(entry["launch"]) if entry["runnable"] else None
+        entry["miniature"] = demo_command(miniature(entry["launch"])) if entry["runnable"] else None
     return data
 
 
 def best_command(result) -> str | None:
-    """The demo command of the fastest runnable configuration that fits, if any."""
+    """The fastest runnable configuration that fits, as a line: its launch tuple and the demo's command for its
+    miniature (``runnable.miniature``: the same program on the tiny DeepSeek-V3 and a few local processes)."""
     for est in result.ranked:
-        if est.runnable:
-            return demo_command(launch(est.strategy, result.memory_savers))
+        if not est.runnable:
+            continue
+        full = launch(est.strategy, result.memory_savers)
+        small = miniature(full)
+        command = demo_command(small)
+        if command is None:
+            return None
+        return (f"the best runnable layout launches as pp {full['pp']} x dp {full['dp']} x ep {full['ep']} "
+                f"({full['schedule']}, {full['dp_mode']}, recompute {full['recompute']}, {full['microbatches']} "
+                f"micro-batches of {full['micro_batch_size']}); the same program in miniature (tiny DeepSeek-V3, "
+                f"pp {small['pp']} x dp {small['dp']} x ep {small['ep']} local gloo processes):\n  {command}")
     return None
+
+
+def planned_with_savers(model: ModelSpec, savers: str, planned: Callable[[str], PlanResult]
+                        ) -> tuple[PlanResult, str]:
+    """The plan with the savers asked for; with ``"auto"``, without savers unless nothing fits that way and
+    the model's modules have DeepSeek-V3's savers (MLA: ``integrations/deepseek_v3``, the only modules the
+    switches exist in), then with all of them, and a line saying so (empty when nothing was switched on)."""
+    if savers != "auto":
+        return planned(savers), ""
+    plain = planned("none")
+    if plain.ranked or model.attention_type != "mla":
+        return plain, ""
+    saved = planned("all")
+    if not saved.ranked:
+        return plain, ""
+    return saved, ("nothing fits without DeepSeek-V3's activation savers (the report's, all in the runtime): planned "
+                   "with all of them on (--memory-savers none plans without them, a list picks some)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -173,13 +204,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     if args.auto < 0:
         raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
-    with memory_savers(args.memory_savers):
-        result = plan(model, system, args.gpus, args.global_batch, auto_top=args.auto,
-                      runnable_only=args.runnable_only, **options)
+    def planned(savers: str):
+        with memory_savers(savers):
+            return plan(model, system, args.gpus, args.global_batch, auto_top=args.auto,
+                        runnable_only=args.runnable_only, **options)
+
+    result, note = planned_with_savers(model, args.memory_savers, planned)
+    if note:
+        print(note)
     print_plan(result, args.top)
     command = best_command(result)
     if command:
-        print(f"launch the best runnable layout in miniature (tiny DeepSeek-V3, local gloo processes):\n  {command}")
+        print(command)
     if args.json_path:
         with open(args.json_path, "w") as fh:
             json.dump(with_commands(result.to_dict(max(args.top, 20))), fh, indent=2)

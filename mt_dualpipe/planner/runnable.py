@@ -91,8 +91,10 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
     if launch["tp"] != 1 or options or DP_MODES[launch["dp_mode"]].needs_fully_shard:
         return None  # the demo's DeepSeek-V3 stages are not fully_shard-ed
     words = [python, DEMO, "--pp", launch["pp"], "--dp", launch["dp"], "--ep", launch["ep"],
-             "--dp-mode", launch["dp_mode"], "--schedule", launch["schedule"],
-             "--microbatches", launch["microbatches"], "--recompute", launch["recompute"]]
+             "--dp-mode", launch["dp_mode"], "--schedule", launch["schedule"]]
+    if launch.get("microbatches"):
+        words += ["--microbatches", launch["microbatches"]]
+    words += ["--recompute", launch["recompute"]]
     if virtual is not None:
         words += ["--virtual-stages", virtual]
     if launch.get("micro_batch_size"):
@@ -102,6 +104,23 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
     if launch.get("memory_savers", "none") != "none":
         words += ["--memory-savers", launch["memory_savers"]]
     return " ".join(str(w) for w in words)
+
+
+MINIATURE_PROCESSES = 4
+"""Local processes a miniature takes at most (``miniature``): what a laptop runs in a minute."""
+
+
+def miniature(launch: dict, experts: int = 16) -> dict:
+    """``launch`` shrunk to the demo's tiny DeepSeek-V3 on local processes: the same schedule, schedule options,
+    data-parallel mode, recompute policy, core attention and savers, on pp 2 and at most ``MINIATURE_PROCESSES``
+    ranks (ep: the largest divisor of the preset's ``experts`` up to the plan's ep and what pp 2 leaves; dp: what
+    is left), with the demo's own micro-batch count and size. What the plan's layout means at scale is the
+    launch tuple; this is the same program at a size that runs here."""
+    pp = 2
+    room = MINIATURE_PROCESSES // pp
+    ep = max(d for d in range(1, min(launch["ep"], room) + 1) if experts % d == 0)
+    dp = max(1, min(launch["dp"], room // ep))
+    return {**launch, "pp": pp, "dp": dp, "ep": ep, "microbatches": None, "micro_batch_size": None}
 
 
 def unrunnable_reasons(strategy: Strategy, tied: bool = False) -> list[str]:

@@ -9,6 +9,8 @@ out of both sides."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -133,3 +135,39 @@ def test_the_plan_command_counts_the_savers_it_is_given(tmp_path, capsys):
     assert main([*argv, "--memory-savers", "flash"]) != 0
     captured = capsys.readouterr()
     assert "unknown memory saver 'flash'" in captured.out + captured.err
+
+
+def test_the_issue_command_fits_by_switching_the_savers_on(tmp_path, capsys):
+    """``plan`` with no ``--memory-savers`` (``auto``) at DeepSeek-V3's published layout: nothing fits without
+    the report's savers, so the plan counts all of them, says so, and its launch carries them; asked for none,
+    it reports that nothing fits. A model whose modules have no savers is planned without them either way."""
+    import json
+
+    from mt_dualpipe.cli import main
+    from mt_dualpipe.cli.plan_cmd import planned_with_savers
+
+    argv = ["plan", "--model", "deepseek-v3", "--gpus", "2048", "--pp", "16", "--ep", "64", "--schedules",
+            "dualpipe", "--dtype", "fp8", "--recompute", "selective", "--zero", "1"]
+    assert main([*argv, "--json", str(tmp_path / "auto.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nothing fits without DeepSeek-V3's activation savers")
+    data = json.loads((tmp_path / "auto.json").read_text())
+    best = data["configurations"][0]
+    assert data["memory_savers"] == sorted(SAVERS) and best["memory_gb"]["total"] <= 80 and best["runnable"]
+    assert best["launch"]["memory_savers"] == ",".join(sorted(SAVERS))
+    assert main([*argv, "--memory-savers", "none"]) == 1
+    assert "no configuration fits" in capsys.readouterr().out
+
+    calls = []
+
+    def planned(savers):
+        calls.append(savers)
+        return SimpleNamespace(ranked=[])
+
+    llama = ModelSpec(name="llama", hidden_size=4096, head_num=32, layer_num=32, vocab_size=32000,
+                      intermediate_size=11008, attention_type="gqa")
+    _, note = planned_with_savers(llama, "auto", planned)
+    assert calls == ["none"] and note == ""
+    calls.clear()
+    _, note = planned_with_savers(ModelSpec.load("deepseek-v3"), "auto", planned)
+    assert calls == ["none", "all"] and note == ""  # nothing fits with them either: the plain plan is reported

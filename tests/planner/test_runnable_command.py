@@ -15,7 +15,7 @@ import pytest
 from mt_dualpipe.cli import main
 from mt_dualpipe.parallel.modes import DP_MODES
 from mt_dualpipe.planner import runnable as runnable_module
-from mt_dualpipe.planner.runnable import DEMO, demo_command, unrunnable_reasons
+from mt_dualpipe.planner.runnable import DEMO, MINIATURE_PROCESSES, demo_command, miniature, unrunnable_reasons
 
 ROOT = Path(__file__).resolve().parents[2]
 TUPLE = ("pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute")
@@ -95,9 +95,35 @@ def test_plan_json_carries_the_command_of_each_runnable_configuration(tmp_path, 
     for row in rows:
         assert row["command"] == demo_command(row["launch"])
         assert f"--pp {row['pp']} --dp {row['dp'] // row['ep']} --ep {row['ep']} " in row["command"]
-    best = data["configurations"][0]["command"]
-    assert f"launch the best runnable layout in miniature (tiny DeepSeek-V3, local gloo processes):\n  {best}\n" \
-           in capsys.readouterr().out
+    best = data["configurations"][0]
+    assert best["miniature"] == demo_command(miniature(best["launch"]))
+    lead = (f"the best runnable layout launches as pp {best['pp']} x dp {best['dp'] // best['ep']} x ep {best['ep']} "
+            f"({best['schedule']}, {best['launch']['dp_mode']}, recompute {best['recompute']}, "
+            f"{best['num_microbatches']} micro-batches of {best['micro_batch_size']}); the same program in miniature")
+    out = capsys.readouterr().out
+    assert lead in out and f"\n  {best['miniature']}\n" in out
+
+
+def test_the_miniature_is_the_same_program_on_a_few_local_processes():
+    """The published DeepSeek-V3 layout (pp 16 x dp 2 x ep 64, 2,048 ranks) shrinks to pp 2 x ep 2 on the tiny
+    preset's 16 experts, keeping every knob that is not a size; the demo accepts the result."""
+    demo = _demo()
+    full = _launch(core_attention="flash", memory_savers="attention,combine,norm,router,swiglu")
+    small = miniature(full)
+    assert (small["pp"], small["dp"], small["ep"]) == (2, 1, 2)
+    assert small["pp"] * small["dp"] * small["ep"] <= MINIATURE_PROCESSES
+    assert {k: v for k, v in small.items() if k not in ("pp", "dp", "ep", "microbatches", "micro_batch_size")} == \
+        {k: v for k, v in full.items() if k not in ("pp", "dp", "ep", "microbatches", "micro_batch_size")}
+    command = demo_command(small)
+    assert command == ("python examples/deepseek_v3_repro.py --pp 2 --dp 1 --ep 2 --dp-mode zero1 --schedule "
+                       "dualpipe --recompute selective --core-attention flash --memory-savers "
+                       "attention,combine,norm,router,swiglu")
+    args = demo.parse_args(shlex.split(command)[2:])  # parse_args runs the demo's own mesh and batch checks
+    assert (args.pp, args.dp, args.ep, args.microbatches) == (2, 1, 2, None)
+    # no expert parallelism: the data-parallel ranks fill what pp 2 leaves; an ep the experts do not divide shrinks
+    assert miniature(_launch(dp=8, ep=1))["dp"] == 2
+    assert miniature(_launch(dp=1, ep=3), experts=16)["ep"] == 2
+    assert miniature(_launch(dp=1, ep=3), experts=9)["ep"] == 1
 
 
 def test_plan_json_gives_no_command_to_what_the_runtime_cannot_run(tmp_path, monkeypatch, capsys):
