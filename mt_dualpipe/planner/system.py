@@ -21,9 +21,10 @@ and ``fp8_efficiency`` (FP8), read off published kernel benchmarks at training-s
 (thousands of tokens by hidden sizes of 4k-16k):
 
 - A100 BF16 0.60 (about 190 TFLOPS): cuBLAS on large BF16 GEMMs reaches 230-260 TFLOPS at
-  square 8k shapes, less at the thin shapes of a micro-batch. Not fitted to the Zero Bubble paper's
-  A100 runs (Megatron-LM, Qi et al. 2024): asked as the paper's code ran them, they land 2-12 %
-  slower than published at this fraction (``benchmarks/results/planner_calibration.md``).
+  square 8k shapes, less at the thin shapes of a micro-batch. Not fitted to a published run: at it,
+  the Zero Bubble paper's A100 runs (hidden 2,304-6,144, Megatron-LM) land 2-12 % slower than
+  published and Megatron-LM's GPT-3 175B example (hidden 12,288, TP8) 8 % faster
+  (``benchmarks/results/planner_calibration.md``).
 - H100/H800/H200 BF16 0.66 (about 650 TFLOPS): NVIDIA's Transformer Engine / cuBLASLt figures for
   Hopper BF16 GEMMs at LLM shapes are 600-750 TFLOPS (NVIDIA H100 Tensor Core GPU architecture
   whitepaper and TE benchmarks); Llama 3's 400 TFLOPS per GPU overall (Llama 3 paper, Table 4) is

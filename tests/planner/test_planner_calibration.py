@@ -133,11 +133,7 @@ RUNS = load_runs()["runs"]
 
 
 def _row_params() -> list:
-    out = []
-    for i, run in enumerate(RUNS):
-        marks = [pytest.mark.xfail(strict=True, reason=run["open_gap"])] if run.get("open_gap") else []
-        out.append(pytest.param(i, id=run["name"], marks=marks))
-    return out
+    return [pytest.param(i, id=run["name"]) for i, run in enumerate(RUNS)]
 
 
 @pytest.fixture(scope="module")
