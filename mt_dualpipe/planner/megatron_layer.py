@@ -3,8 +3,9 @@ backward and what its unfused core attention moves, so the planner can be asked 
 
 The planner's own account of a layer (``planner/activations.py``) follows this library's modules. A
 published run used another implementation, whose kernels keep other tensors: Megatron-LM's "local"
-GPT layer fuses its LayerNorm (keeping only the input), its bias-GeLU and its scale-mask-softmax (in the
-half-precision dtype), and applies dropout after the attention probabilities and after each sublayer.
+GPT layer fuses its LayerNorm (keeping its input and two per-row statistics), its bias-GeLU and its
+scale-mask-softmax (in the half-precision dtype), and applies dropout after the attention probabilities
+and after each sublayer.
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 arXiv:2205.05198, section 4.1) count it tensor by tensor, per token of a layer with sequence ``s``,
 hidden ``h``, ``a`` heads, 16-bit activations and 1-byte dropout masks:
@@ -14,7 +15,8 @@ hidden ``h``, ``a`` heads, 16-bit activations and 1-byte dropout masks:
   projection's input ``2h``, the dropout mask after it ``h``: ``11h + 5as`` (+ ``2h`` LayerNorm);
 - MLP: the LayerNorm's input ``2h``, the first linear's input ``2h``, the GeLU's input and output
   ``2 ffn`` each, the dropout mask ``h``: ``19h`` at ``ffn = 4h``;
-- ``34h + 5as`` in all; "selective" recompute (re-running the core attention) keeps ``34h``, "full" the
+- ``34h + 5as`` in all (the LayerNorms' per-row statistics, 8 bytes a token each, are left out, as the paper
+  leaves them); "selective" recompute (re-running the core attention) keeps ``34h``, "full" the
   layer's input ``2h`` (the paper's sections 4.1-4.2).
 
 Its core is unfused (``Strategy.attention = "eager"``): the full S×S scores go through one fused
@@ -22,7 +24,8 @@ scale-mask-softmax kernel (read and write 2 bytes per element) and the attention
 2 and the 1-byte mask): ``SCORE_BYTES`` per element in F.
 
 Used by ``calibration.run_model`` for a model whose description says ``"implementation": "megatron-lm"``
-(the Zero Bubble paper's runs); the runtime builds no such layer, so a plan never offers it.
+(the Zero Bubble paper's runs, Megatron-LM's GPT-3 175B example); the runtime builds no such layer, so a
+plan never offers it.
 """
 
 from __future__ import annotations
