@@ -36,8 +36,6 @@ from dataclasses import replace
 from ..schedules.errors import ScheduleError
 from .model import ModelSpec
 
-IMPLEMENTATIONS = ("mt_dualpipe", "megatron-lm")
-"""Whose layer a model description means: this library's modules (the default) or Megatron-LM's GPT layer."""
 SCORE_BYTES = 4.0 + 5.0
 """Bytes per S×S score element in F: the fused scale-mask-softmax (read 2, write 2), the attention dropout
 (read 2, write 2, the 1-byte mask)."""
@@ -68,10 +66,14 @@ def megatron_gpt(spec: ModelSpec) -> ModelSpec:
     return replace(spec, declared_saved=declared, score_bytes=SCORE_BYTES)
 
 
+ACCOUNTS: dict[str, Callable[[ModelSpec], ModelSpec]] = {"mt_dualpipe": lambda spec: spec, "megatron-lm": megatron_gpt}
+"""Whose layer a model description means -> how the planner describes it: this library's modules (the default,
+``planner/activations.py``) or Megatron-LM's GPT layer."""
+IMPLEMENTATIONS = tuple(ACCOUNTS)
+
+
 def with_implementation(spec: ModelSpec, implementation: str) -> ModelSpec:
     """``spec`` as ``implementation`` (``IMPLEMENTATIONS``) builds its layers."""
-    accounts: dict[str, Callable[[ModelSpec], ModelSpec]] = {"mt_dualpipe": lambda s: s,
-                                                             "megatron-lm": megatron_gpt}
-    if implementation not in accounts:
+    if implementation not in ACCOUNTS:
         raise ScheduleError(f"unknown implementation {implementation!r}; choose from {', '.join(IMPLEMENTATIONS)}")
-    return accounts[implementation](spec)
+    return ACCOUNTS[implementation](spec)
