@@ -1,6 +1,7 @@
 """Rotary position embedding: plain, Llama-3 scaling and YaRN, read from a Hugging Face config.
 
-``rope_params`` reads theta and the scaling from a config dict (both families' config readers use it);
+``rope_params`` reads theta and the scaling from a config dict, ``supported_scaling`` also checks them
+against what a family runs (the Llama and DeepSeek-V3 config readers);
 ``RopeSpec`` is the config piece (theta, scaling kind and its fields); ``inv_freq`` the per-pair
 frequencies; ``cos_sin`` the (seq, dim/2) tables in ``compute_dtype`` (YaRN's ``attention_factor``
 folded in); ``apply_rope`` rotates the two halves of each head (transformers' ``rotate_half``
@@ -32,6 +33,21 @@ def rope_params(data: Mapping[str, Any]) -> tuple[float | None, str, dict[str, A
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     return theta, kind, params
+
+
+def supported_scaling(data: Mapping[str, Any], family: str, kind: str, keys: set[str]
+                      ) -> tuple[float | None, dict[str, Any] | None]:
+    """``rope_params`` checked against what one family runs: (rope_theta, the scaling's fields), the fields None
+    without scaling; ``ValueError`` for another scaling type or a field outside ``keys``."""
+    theta, got, params = rope_params(data)
+    if got == "default":
+        return theta, None
+    if got != kind:
+        raise ValueError(f"rope scaling type {got!r} is not supported for {family}; only {kind!r} (and none)")
+    bad = sorted(set(params) - keys)
+    if bad:
+        raise ValueError(f"rope_scaling field(s) {bad} are not supported; {kind} takes {sorted(keys)}")
+    return theta, params
 
 
 KINDS = ("default", "llama3", "yarn")

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...layers.rope import rope_params
+from ...layers.rope import supported_scaling
 from ..hf_checkpoint import check_fp8_quantization
 from .yarn import YarnScaling
 
@@ -68,14 +68,9 @@ def read_config_json(source: str | Path) -> dict[str, Any]:
 
 def _rope(data: dict[str, Any]) -> tuple[float | None, YarnScaling | None]:
     """(rope_theta, YarnScaling | None) from ``rope_scaling`` (released) or ``rope_parameters`` (transformers 5)."""
-    theta, kind, params = rope_params(data)
-    if kind == "default":
+    theta, params = supported_scaling(data, "DeepSeek-V3", "yarn", _YARN_KEYS)
+    if params is None:
         return theta, None
-    if kind != "yarn":
-        raise ValueError(f"rope scaling type {kind!r} is not supported for DeepSeek-V3; only 'yarn' (and none)")
-    bad = sorted(set(params) - _YARN_KEYS)
-    if bad:
-        raise ValueError(f"rope_scaling field(s) {bad} are not supported; yarn takes {sorted(_YARN_KEYS)}")
     if params.get("factor") is None:  # transformers: the ratio of the context lengths
         params["factor"] = data["max_position_embeddings"] / params["original_max_position_embeddings"]
     for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):

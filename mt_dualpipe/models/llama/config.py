@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...integrations.hf_checkpoint import check_fp8_quantization
-from ...layers.rope import RopeSpec, rope_params
+from ...layers.rope import RopeSpec, supported_scaling
 
 
 @dataclass(frozen=True)
@@ -141,15 +141,8 @@ class LlamaConfig:
 
 
 def _rope(data: dict[str, Any]) -> tuple[float | None, Llama3RopeScaling | None]:
-    theta, kind, params = rope_params(data)
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported for Llama; only 'llama3' (and none)")
-    bad = sorted(set(params) - _ROPE_KEYS)
-    if bad:
-        raise ValueError(f"rope_scaling field(s) {bad} are not supported; llama3 takes {sorted(_ROPE_KEYS)}")
-    return theta, Llama3RopeScaling(**params)
+    theta, params = supported_scaling(data, "Llama", "llama3", _ROPE_KEYS)
+    return theta, None if params is None else Llama3RopeScaling(**params)
 
 
 def _kwargs_from_hf(data: dict[str, Any]) -> dict[str, Any]:
