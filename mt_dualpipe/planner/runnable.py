@@ -108,9 +108,12 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
 
 MINIATURE_PROCESSES = 4
 """Local processes a miniature takes at most (``miniature``): what a laptop runs in a minute."""
+TINY_EXPERTS = 16
+"""Routed experts of the demo's ``tiny`` DeepSeek-V3 preset (``DeepSeekV3Config.preset("tiny")``, which the planner
+cannot import without torch; a test holds the two equal)."""
 
 
-def miniature(launch: dict, experts: int = 16) -> dict:
+def miniature(launch: dict, experts: int = TINY_EXPERTS) -> dict:
     """``launch`` shrunk to the demo's tiny DeepSeek-V3 on local processes: the same schedule, schedule options,
     data-parallel mode, recompute policy, core attention and savers, on pp 2 and at most ``MINIATURE_PROCESSES``
     ranks (ep: the largest divisor of the preset's ``experts`` up to the plan's ep and what pp 2 leaves; dp: what

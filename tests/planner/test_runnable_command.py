@@ -15,7 +15,14 @@ import pytest
 from mt_dualpipe.cli import main
 from mt_dualpipe.parallel.modes import DP_MODES
 from mt_dualpipe.planner import runnable as runnable_module
-from mt_dualpipe.planner.runnable import DEMO, MINIATURE_PROCESSES, demo_command, miniature, unrunnable_reasons
+from mt_dualpipe.planner.runnable import (
+    DEMO,
+    MINIATURE_PROCESSES,
+    TINY_EXPERTS,
+    demo_command,
+    miniature,
+    unrunnable_reasons,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TUPLE = ("pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute")
@@ -124,6 +131,9 @@ def test_the_miniature_is_the_same_program_on_a_few_local_processes():
     assert miniature(_launch(dp=8, ep=1))["dp"] == 2
     assert miniature(_launch(dp=1, ep=3), experts=16)["ep"] == 2
     assert miniature(_launch(dp=1, ep=3), experts=9)["ep"] == 1
+    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config
+
+    assert TINY_EXPERTS == DeepSeekV3Config.preset("tiny").n_routed_experts  # the demo's default preset
 
 
 def test_plan_json_gives_no_command_to_what_the_runtime_cannot_run(tmp_path, monkeypatch, capsys):
