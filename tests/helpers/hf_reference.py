@@ -5,6 +5,7 @@ model dtype (``hidden_states.to(torch.float32)``, ``dtype=torch.float``, ...), s
 transformers model agrees with a float64 one only to ~1e-7. ``float64_transformers`` lifts that pin
 for the duration of a test by giving the named transformers modules a ``torch`` whose ``float32`` and
 ``float`` are ``float64``; both sides then compute in float64 and must agree to ~1e-15.
+``recorded_reads`` lists the tensors a per-stage checkpoint load reads.
 """
 
 from __future__ import annotations
@@ -56,3 +57,24 @@ def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
             continue
         noise = torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype) * std
         t.copy_(noise + 1 if "norm" in name else noise)
+
+
+@contextmanager
+def recorded_reads() -> Iterator[list[str]]:
+    """The tensor names every ``hf_checkpoint.Checkpoint.read`` yields inside the block, in order (the list stays
+    filled after it): what a per-stage load really read from the files."""
+    from mt_dualpipe.integrations import hf_checkpoint
+
+    read: list[str] = []
+    real = hf_checkpoint.Checkpoint.read
+
+    def recording(self, names):
+        for name, t in real(self, names):
+            read.append(name)
+            yield name, t
+
+    hf_checkpoint.Checkpoint.read = recording
+    try:
+        yield read
+    finally:
+        hf_checkpoint.Checkpoint.read = real

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import mt_dualpipe
-import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
 from mt_dualpipe.integrations.fp8 import FP8Linear, dequantize, quantize_blocks
 from mt_dualpipe.integrations.llama import (
     Llama3RopeScaling,
@@ -21,7 +20,7 @@ from mt_dualpipe.integrations.llama import (
     sync_replicas,
 )
 from mt_dualpipe.schedules import placements
-from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
+from tests.helpers.hf_reference import float64_transformers, randomize, recorded_reads, relative_error
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -107,19 +106,11 @@ def saved(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["linear", "v", "interleaved", "dual"])
-def test_stages_for_any_placement_read_only_their_tensors_and_match_the_model(saved, monkeypatch, placement):
+def test_stages_for_any_placement_read_only_their_tensors_and_match_the_model(saved, placement):
     config, model, path = saved
     place = placements.make_placement(placement, 2, 4)
-    read: list[str] = []
-    real = hf_checkpoint.Checkpoint.read
-
-    def recording(self, names):
-        for name, t in real(self, names):
-            read.append(name)
-            yield name, t
-
-    monkeypatch.setattr(hf_checkpoint.Checkpoint, "read", recording)
-    by_rank = [stages_for_rank(config, place, r, checkpoint=path) for r in range(2)]
+    with recorded_reads() as read:
+        by_rank = [stages_for_rank(config, place, r, checkpoint=path) for r in range(2)]
     every = [st for mods in by_rank for st in mods]  # DualPipe's dual placement: each stage twice (mirrored)
     assert sorted(read) == sorted(k for st in every for k in st.state_dict())
     stages = sorted({st.index: st for st in every}.values(), key=lambda st: st.index)

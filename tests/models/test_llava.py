@@ -26,7 +26,7 @@ from mt_dualpipe.models.llava import (
 )
 from mt_dualpipe.schedules import placements
 from tests.helpers import hf_reference
-from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
+from tests.helpers.hf_reference import float64_transformers, randomize, recorded_reads, relative_error
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -157,24 +157,16 @@ def saved(tmp_path_factory):
     return config, model, path
 
 
-def test_stages_read_only_their_tensors_and_match_the_model(saved, monkeypatch):
+def test_stages_read_only_their_tensors_and_match_the_model(saved):
     config, model, path = saved
     place = placements.make_placement("v", 2, 4)
-    read: list[str] = []
-    real = hf_checkpoint.Checkpoint.read
-
-    def recording(self, wanted):
-        for name, t in real(self, wanted):
-            read.append(name)
-            yield name, t
-
-    monkeypatch.setattr(hf_checkpoint.Checkpoint, "read", recording)
     by_rank = []
-    for r in range(2):
-        before = len(read)
-        by_rank.append(stages_for_rank(config, place, r, checkpoint=path, dtype=torch.float64))
-        if r == 1:  # stages 1 and 2: text layers only
-            assert read[before:] and all(n.startswith("language_model.model.layers.") for n in read[before:])
+    with recorded_reads() as read:
+        for r in range(2):
+            before = len(read)
+            by_rank.append(stages_for_rank(config, place, r, checkpoint=path, dtype=torch.float64))
+            if r == 1:  # stages 1 and 2: text layers only
+                assert read[before:] and all(n.startswith("language_model.model.layers.") for n in read[before:])
     every = [st for mods in by_rank for st in mods]
     layout = KeyLayout.detect(names(path))
     assert sorted(read) == sorted(layout.to_checkpoint(k) for st in every for k in st.state_dict())

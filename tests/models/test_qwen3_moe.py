@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 
-import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
 from mt_dualpipe.layers import SoftmaxTopKRouter, saved_elements_per_token, step_normalizer
 from mt_dualpipe.models import from_pretrained
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, criterion_for, stages_for_rank
 from mt_dualpipe.schedules import placements
 from tests.helpers.dist import run_ranks
-from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
+from tests.helpers.hf_reference import float64_transformers, randomize, recorded_reads, relative_error
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -104,19 +103,11 @@ def saved(tmp_path):
 
 
 @pytest.mark.parametrize("placement", ["v", "dual"])
-def test_stages_read_only_their_tensors_and_match_the_model(saved, monkeypatch, placement):
+def test_stages_read_only_their_tensors_and_match_the_model(saved, placement):
     config, model, path = saved
     place = placements.make_placement(placement, 2, 4)
-    read: list[str] = []
-    real = hf_checkpoint.Checkpoint.read
-
-    def recording(self, names):
-        for name, t in real(self, names):
-            read.append(name)
-            yield name, t
-
-    monkeypatch.setattr(hf_checkpoint.Checkpoint, "read", recording)
-    by_rank = [stages_for_rank(config, place, r, checkpoint=path, dtype=torch.float64) for r in range(2)]
+    with recorded_reads() as read:
+        by_rank = [stages_for_rank(config, place, r, checkpoint=path, dtype=torch.float64) for r in range(2)]
     every = [st for mods in by_rank for st in mods]
     assert sorted(read) == sorted(k for st in every for k in st.state_dict())
     stages = sorted({st.index: st for st in every}.values(), key=lambda st: st.index)
@@ -294,17 +285,8 @@ def _ep_worker(rank: int, world: int, path: str, policy: str) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    read: list[str] = []
-    real = hf_checkpoint.Checkpoint.read
-
-    def recording(self, names):
-        for name, t in real(self, names):
-            read.append(name)
-            yield name, t
-
-    hf_checkpoint.Checkpoint.read = recording
-    model = from_pretrained(path, dtype=torch.float64, ep_group=dist.group.WORLD)
-    hf_checkpoint.Checkpoint.read = real
+    with recorded_reads() as read:
+        model = from_pretrained(path, dtype=torch.float64, ep_group=dist.group.WORLD)
     (stage,) = build_ep_stage(model, policy)
     x, y = batch(model.config)
     xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
