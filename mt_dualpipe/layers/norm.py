@@ -22,7 +22,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Fa
     """The norm itself. Full precision or ``fused``: one ``F.rms_norm``. Low precision: normalise in float32,
     cast, then multiply by the weight in the input dtype (transformers' order)."""
     if fused or x.dtype == compute_dtype(x):
-        return F.rms_norm(x, (x.size(-1),), weight, eps)
+        # ``F.rms_norm`` decomposes into two uses of x (its square and its product with 1/rms); the view gives
+        # them one autograd node, so x's gradient gets this norm's share as one sum, as from a compiled norm
+        # (whose graph returns one gradient per input). Then whether the norm is compiled does not change
+        # the order in which the engine adds it to the residual's share (float addition is not associative).
+        return F.rms_norm(x.view_as(x), (x.size(-1),), weight, eps)
     y = F.rms_norm(x.to(compute_dtype(x)), (x.size(-1),), None, eps).type_as(x)
     return y * weight.to(x.dtype)
 

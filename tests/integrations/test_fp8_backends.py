@@ -20,6 +20,8 @@ from mt_dualpipe.integrations.fp8 import (
     resolve_gemm,
 )
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 torch.set_num_threads(1)
 
 

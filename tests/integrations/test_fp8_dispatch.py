@@ -3,6 +3,7 @@ caching of the expert up-projection input (one FP8 copy shared by w1 and w3)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,6 +14,8 @@ from mt_dualpipe.integrations.fp8 import convert_to_fp8
 from mt_dualpipe.integrations.fp8.quantize import dequantize, quantize_tiles
 from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
+
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
 
 torch.set_num_threads(1)
 

@@ -15,6 +15,8 @@ from mt_dualpipe.integrations.fp8 import (
 )
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 torch.set_num_threads(1)
 
 

@@ -16,6 +16,8 @@ from mt_dualpipe.integrations.fp8 import (
     quantize_tiles,
 )
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 torch.set_num_threads(1)
 
 
@@ -147,3 +149,47 @@ def test_emulated_gemm_equals_fp32_matmul_of_dequantised_operands():
     qa, qb = quantize_tiles(a), quantize_blocks(b)
     want = dequantize(qa).double() @ dequantize(qb).double().t()
     torch.testing.assert_close(emulated_gemm(qa, qb).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _e4m3_step(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The spacing of the E4M3 grid at |v| (in the tile's units, ``v / scale``), times the scale: 2^(e-3) for
+    a normal quotient in [2^e, 2^(e+1)), 2^-9 below 2^-6 (the subnormals)."""
+    e = torch.floor(torch.log2((v / scale).abs().clamp(min=2.0 ** -6)))
+    return scale * torch.exp2(e - 3)
+
+
+def test_a_one_ulp_change_moves_an_element_by_at_most_one_e4m3_step_and_can_move_it_by_a_whole_one():
+    """Why a two-path comparison of FP8 results cannot be given a float-rounding tolerance, and the bound one
+    can give instead.
+
+    Round-to-nearest puts each element within half a grid step of its value: |Q(a) - a| <= step(a) / 2. For
+    two inputs a and b that differ by float rounding (two kernels, two summation orders), the triangle
+    inequality gives |Q(a) - Q(b)| <= |a - b| + step(a) / 2 + step(b) / 2: at most one E4M3 step at the
+    element's tile scale, plus the difference itself. Through a GEMM y = Q(a) Wᵀ this becomes
+    |Δy| <= (|a - b| + step(a) / 2 + step(b) / 2) |W|ᵀ: a 1/8 relative change of any element whose quotient
+    lay on a rounding boundary, however small |a - b| was. Such a value is easy to meet: every midpoint
+    between two E4M3 values is a float32 number. So the library makes its two paths run the same kernels
+    (``test_compile.py``), and this test checks both the bound and that it is reached."""
+    scale_unit = torch.tensor(2.0) ** -4
+    # a tile with its max at 448 units (scale = 2^-4 exactly) and elements on midpoints of the E4M3 grid, where
+    # ties go to the even mantissa: 1.0625 between 1.0 and 1.125 (to 1.0), 17 between 16 and 18 (to 16), and
+    # 5/1024 between the subnormals 2/512 and 3/512 (to 2/512)
+    units = torch.tensor([448.0, 1.0625, 17.0, 5 / 1024, -1.0625] + [0.5] * 123)
+    a = (units * scale_unit).reshape(1, 128)
+    b = torch.nextafter(a, torch.full_like(a, float("inf")))  # one float32 ulp up: the other path's rounding
+    b[0, 0] = a[0, 0]  # the same max-abs, so the same scale: the move comes from the rounding alone
+    qa, qb = dequantize(quantize_tiles(a)), dequantize(quantize_tiles(b))
+    sa, sb = quantize_tiles(a).scale, quantize_tiles(b).scale
+    bound = (b - a).abs() + _e4m3_step(a, sa) / 2 + _e4m3_step(b, sb) / 2
+    assert bool(((qa - qb).abs() <= bound).all())
+    # each midpoint moved by a whole step of its binade (1.0 -> 1.125, 16 -> 18, 2/512 -> 3/512 units)
+    moved = ((qb - qa) / _e4m3_step(a, sa))[0, 1:4]
+    assert moved.tolist() == [1.0, 1.0, 1.0]
+    # and a random tile under a one-ulp change: within the bound everywhere
+    x = torch.randn(64, 384, generator=torch.Generator().manual_seed(0)) * 3
+    y = torch.nextafter(x, torch.where(torch.rand(x.shape, generator=torch.Generator().manual_seed(1)) < 0.5,
+                                       torch.full_like(x, float("inf")), torch.full_like(x, -float("inf"))))
+    qx, qy = quantize_tiles(x), quantize_tiles(y)
+    sx, sy = qx.scale.repeat_interleave(128, 1), qy.scale.repeat_interleave(128, 1)
+    bound = (y - x).abs() + _e4m3_step(x, sx) / 2 + _e4m3_step(y, sy) / 2
+    assert bool(((dequantize(qx) - dequantize(qy)).abs() <= bound).all())

@@ -8,6 +8,8 @@ from torch import nn
 
 from mt_dualpipe.integrations.fp8 import FP8Linear, convert_to_fp8
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 torch.set_num_threads(1)
 
 STEPS = 24

@@ -70,6 +70,7 @@ def test_config_round_trip_and_errors():
         LlamaConfig.preset("tiny", num_key_value_heads=3)
 
 
+@pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
 @pytest.mark.parametrize("tie, scaled", [(False, True), (True, False)])
 def test_transformers_checkpoint_gives_the_same_logits_and_back(tmp_path, tie, scaled):
     with float64_transformers():
@@ -188,6 +189,7 @@ def _normalized_worker(rank: int, world: int, x: torch.Tensor, y: torch.Tensor) 
     return {n: p.grad.clone() for m in mods for n, p in m.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
 def test_the_step_normalizer_makes_pipelined_gradients_equal_the_whole_batch_token_mean():
     """Micro-batches with 0, 4, 8 and 12 ignored targets under DualPipeV: pipelined gradients with
     ``normalizer=step_normalizer(labels)`` equal one process's token mean over the whole batch; the

@@ -12,6 +12,8 @@ from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS, parse_mem
 from mt_dualpipe.integrations.deepseek_v3.mla import RMSNorm
 from mt_dualpipe.integrations.fp8 import convert_to_fp8
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 torch.set_num_threads(1)
 
 TINY = DeepSeekV3Config.preset("tiny", n_layers=3, vocab_size=64, max_seq_len=64, mtp_depth=1)

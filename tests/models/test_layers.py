@@ -10,6 +10,8 @@ from mt_dualpipe.layers import GQAttention, LocalDispatch, RopeSpec, SoftmaxTopK
 from mt_dualpipe.layers import inv_freq as our_inv_freq
 from tests.helpers.hf_reference import float64_transformers, relative_error
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 

@@ -86,6 +86,7 @@ LLAMA3 = RopeSpec(10000.0, "llama3", (("factor", 8.0), ("high_freq_factor", 4.0)
                                          ("original_max_position_embeddings", 8)))
 
 
+@pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
 @pytest.mark.parametrize("tower, tied", [("clip", False), ("siglip", True)])
 def test_transformers_checkpoints_in_every_layout_give_the_same_logits_and_back(tmp_path, tower, tied):
     """CLIP: untied head, plain RoPE; SigLIP: tied embeddings, Llama-3 RoPE scaling."""
@@ -317,6 +318,7 @@ def test_recompute_policies_give_the_same_gradients():
             assert torch.allclose(grads[policy][n], g, rtol=0, atol=1e-13), (policy, n)
 
 
+@pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
 def test_compiled_stages_give_the_same_gradients():
     """``compile=`` (aot_eager) compiles every text layer's parts (the tower stays eager) and gives eager's
     gradients; the compiled regions are the shared ``DecoderStage.compile_targets``."""

@@ -17,7 +17,8 @@ from tests.helpers.hf_reference import float64_transformers, randomize, recorded
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.usefixtures("float64_qwen")  # tests/models/conftest.py
+# tests/models/conftest.py; kernels: two float paths compared, .ci/run repeats it on other CPU kernels
+pytestmark = [pytest.mark.usefixtures("float64_qwen"), pytest.mark.kernels]
 
 
 def hf_config(norm_topk: bool = True, **kw):

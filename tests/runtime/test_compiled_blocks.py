@@ -24,6 +24,8 @@ from mt_dualpipe.schedules import build_schedule
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import H, chain_batch, check_against_reference, criterion, make_data, reference
 
+pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
+
 SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev", "dualpipe")
 M = 4
 

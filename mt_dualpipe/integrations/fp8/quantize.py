@@ -18,6 +18,14 @@ Numbers this module guarantees (``scale = amax / 448`` of the tile or block):
   infinity and a plain cast would saturate inf to ±448: finite garbage. Turning the tile into NaN
   instead makes every GEMM output that touches it NaN, so a non-finite check (loss, grad norm,
   the resilience layer) fires rather than training silently on clipped values.
+
+**The same kernels, compiled or not.** Rounding to E4M3 magnifies a one-ulp change of ``x / scale`` into a
+whole E4M3 step (a 1/8 relative change) whenever the quotient lies on a rounding boundary, so the
+quantiser must compute the max-abs, the division and the cast with the same kernels wherever it runs.
+Inside a ``torch.compile``'d region (a compiled SwiGLU or MLA shares one FP8 copy of its input) it is
+therefore traced as one opaque custom op, ``mt_dualpipe::quantize_tiles`` / ``quantize_blocks``, whose
+implementation is the eager function itself: a compiler may fuse what surrounds it, never its arithmetic
+(inductor would otherwise generate its own division, or a product with the reciprocal).
 """
 
 from __future__ import annotations
@@ -74,25 +82,61 @@ def _pad_cols(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def quantize_tiles(x: torch.Tensor) -> QTensor:
-    """Quantise a 2-D tensor to E4M3 with one scale per 1×128 tile along the last dimension."""
-    _check_2d(x, "quantize_tiles")
+def _tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_tiles``' arithmetic: (E4M3 data, contiguous; float32 scales)."""
     rows, cols = x.shape
     xp = _pad_cols(x.float()).view(rows, -1, TILE)
     scale = _scales(xp.abs().amax(dim=-1))
     data = (xp / scale.unsqueeze(-1)).to(E4M3).view(rows, -1)[:, :cols]
+    return data.contiguous(), scale
+
+
+def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_blocks``' arithmetic: (E4M3 data, contiguous; float32 scales)."""
+    rows, cols = w.shape
+    wp = _pad_cols(w.float())
+    wp = torch.nn.functional.pad(wp, (0, 0, 0, -rows % TILE)).view(-1, TILE, wp.shape[1] // TILE, TILE)
+    scale = _scales(wp.abs().amax(dim=(1, 3)))
+    data = (wp / scale[:, None, :, None]).to(E4M3).view(wp.shape[0] * TILE, -1)[:rows, :cols]
+    return data.contiguous(), scale
+
+
+@torch.library.custom_op("mt_dualpipe::quantize_tiles", mutates_args=())
+def _tiles_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _tiles(x)
+
+
+@torch.library.custom_op("mt_dualpipe::quantize_blocks", mutates_args=())
+def _blocks_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _blocks(w)
+
+
+@_tiles_op.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    return x.new_empty((rows, cols), dtype=E4M3), x.new_empty((rows, -(-cols // TILE)), dtype=torch.float32)
+
+
+@_blocks_op.register_fake
+def _(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = w.shape
+    return (w.new_empty((rows, cols), dtype=E4M3),
+            w.new_empty((-(-rows // TILE), -(-cols // TILE)), dtype=torch.float32))
+
+
+def quantize_tiles(x: torch.Tensor) -> QTensor:
+    """Quantise a 2-D tensor to E4M3 with one scale per 1×128 tile along the last dimension (no gradient
+    flows through it: the FP8 layers quantise detached tensors)."""
+    _check_2d(x, "quantize_tiles")
+    data, scale = _tiles_op(x) if torch.compiler.is_compiling() else _tiles(x)
     return QTensor(data, scale, "tile")
 
 
 def quantize_blocks(w: torch.Tensor) -> QTensor:
     """Quantise a 2-D tensor (a weight) to E4M3 with one scale per 128×128 block."""
     _check_2d(w, "quantize_blocks")
-    rows, cols = w.shape
-    wp = _pad_cols(w.float())
-    wp = torch.nn.functional.pad(wp, (0, 0, 0, -rows % TILE)).view(-1, TILE, wp.shape[1] // TILE, TILE)
-    scale = _scales(wp.abs().amax(dim=(1, 3)))
-    data = (wp / scale[:, None, :, None]).to(E4M3).view(wp.shape[0] * TILE, -1)[:rows, :cols]
-    return QTensor(data.contiguous(), scale, "block")
+    data, scale = _blocks_op(w) if torch.compiler.is_compiling() else _blocks(w)
+    return QTensor(data, scale, "block")
 
 
 def dequantize(q: QTensor) -> torch.Tensor:
