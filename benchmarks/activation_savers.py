@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from benchmarks.balancing import bigram_batches  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
-from mt_dualpipe.integrations.fp8 import convert_to_fp8  # noqa: E402
-from mt_dualpipe.integrations.fp8.linear import FP8Linear  # noqa: E402
-from mt_dualpipe.integrations.recompute import SavedActivationMeter  # noqa: E402
+from mt_dualpipe.fp8 import convert_to_fp8  # noqa: E402
+from mt_dualpipe.fp8.linear import FP8Linear  # noqa: E402
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
+from mt_dualpipe.models.recompute import SavedActivationMeter  # noqa: E402
 from mt_dualpipe.planner import ModelSpec  # noqa: E402
 from mt_dualpipe.planner.activations import FP8_LIN, memory_savers  # noqa: E402
 

@@ -94,8 +94,8 @@ def timed(step, n: int) -> list[float]:
 
 def build_rank(args: argparse.Namespace, rank: int, P: int):
     """This rank's stage modules for the V placement, the hand schedule and the batch share."""
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, criterion_for, stages_for_rank
-    from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, criterion_for, stages_for_rank
+    from mt_dualpipe.models.deepseek_v3.data import synthetic_batch
     from mt_dualpipe.schedules import build_schedule
 
     config = DeepSeekV3Config.preset("tiny", max_seq_len=max(args.seq_len, 64))

@@ -37,8 +37,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from mt_dualpipe.integrations.hf_checkpoint import write_config, write_index  # noqa: E402
-from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM, build_stages  # noqa: E402
+from mt_dualpipe.models.hf_checkpoint import write_config, write_index  # noqa: E402
+from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, build_stages  # noqa: E402
 
 SHARD_BYTES = 256 * 1024 ** 2
 

@@ -27,11 +27,11 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3 import build_stages as deepseek_stages  # noqa: E402
-from mt_dualpipe.integrations.llama import LlamaConfig  # noqa: E402
-from mt_dualpipe.integrations.llama.stages import build_stages as llama_stages  # noqa: E402
-from mt_dualpipe.integrations.recompute import SavedActivationMeter  # noqa: E402
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config  # noqa: E402
+from mt_dualpipe.models.deepseek_v3 import build_stages as deepseek_stages  # noqa: E402
+from mt_dualpipe.models.llama import LlamaConfig  # noqa: E402
+from mt_dualpipe.models.llama.stages import build_stages as llama_stages  # noqa: E402
+from mt_dualpipe.models.recompute import SavedActivationMeter  # noqa: E402
 from mt_dualpipe.runtime.stage import Stage  # noqa: E402
 from mt_dualpipe.runtime.weight_grad import WeightGradStore  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mt_dualpipe.integrations.fp8 import backend_summary, quantize_blocks, quantize_tiles, resolve_gemm
+from mt_dualpipe.fp8 import backend_summary, quantize_blocks, quantize_tiles, resolve_gemm
 
 
 def _default_device() -> str:

@@ -30,7 +30,7 @@ from rich.table import Table
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from mt_dualpipe import Pipeline  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
+from mt_dualpipe.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
     DeepSeekV3Model,
     criterion_for,
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plain = copy.deepcopy(model)
     if args.fp8:
-        from mt_dualpipe.integrations.fp8 import convert_to_fp8
+        from mt_dualpipe.fp8 import convert_to_fp8
 
         convert_to_fp8(plain)
     plain.to(device)

@@ -37,7 +37,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, build_stages, criterion_for
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, build_stages, criterion_for
 from mt_dualpipe.resilience import LocalPipeline, Rewind, take_snapshot
 
 

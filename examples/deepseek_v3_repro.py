@@ -58,7 +58,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
+from mt_dualpipe.data.text import PackedText, load_tokenizer  # noqa: E402
+from mt_dualpipe.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
     DeepSeekV3Model,
     criterion_for,
@@ -69,17 +70,16 @@ from mt_dualpipe.integrations.deepseek_v3 import (  # noqa: E402
     sync_expert_load,
     update_expert_bias,
 )
-from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.moe import moe_layers, set_ep_group, set_timeout  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.stage_balance import (  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.moe import moe_layers, set_ep_group, set_timeout  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.stage_balance import (  # noqa: E402
     LayoutCost,
     balance,
     layout_cost,
     piece_costs,
     stage_weights,
 )
-from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer  # noqa: E402
 from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.parallel.stage_sync import DP_MODES  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
@@ -125,16 +125,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=2, metavar="N",
                    help="with --corpus: held-out batches the validation loss averages, before and after training\n"
                         "(default 2; 0: no validation)")
-    p.add_argument("--fp8", action="store_true", help="FP8 linears (mt_dualpipe.integrations.fp8)")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears (mt_dualpipe.fp8)")
     p.add_argument("--balance", default=None, metavar="NAME",
-                   help="expert-balancing strategy (mt_dualpipe.integrations.balancing.STRATEGIES: aux_free, seq_aux, "
+                   help="expert-balancing strategy (mt_dualpipe.layers.balance.STRATEGIES: aux_free, seq_aux, "
                         "batch_aux, device_limited, capacity, none); default: the config's (aux_free)")
     p.add_argument("--fp8-dispatch", action="store_true", help="send the MoE dispatch all-to-all in FP8")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                   help="activation recompute policy of the stages (mt_dualpipe.integrations.recompute), default none")
+                   help="activation recompute policy of the stages (mt_dualpipe.models.recompute), default none")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
                    help="torch.compile each block's memory-bound parts, linears kept eager so W keeps their\n"
-                        "weight GEMMs (mt_dualpipe.integrations.compile); backend default inductor")
+                        "weight GEMMs (mt_dualpipe.models.compile); backend default inductor")
     p.add_argument("--memory-savers", default="none", metavar="NAMES",
                    help="DeepSeek-V3's activation savers (DeepSeekV3Config.memory_savers): 'all', 'none' (default)\n"
                         "or a comma-separated subset of norm, swiglu, combine, router, attention, loss, mla_input;\n"
@@ -304,9 +304,9 @@ def setup(args: argparse.Namespace, rank: int, world: int) -> RankSetup:
     fp8_backend = fp8_gemm = None
     if args.fp8:
         try:
-            from mt_dualpipe.integrations.fp8 import backend_summary, convert_to_fp8, resolve_gemm
+            from mt_dualpipe.fp8 import backend_summary, convert_to_fp8, resolve_gemm
         except ImportError as exc:
-            raise SystemExit(f"--fp8 needs mt_dualpipe.integrations.fp8, which is not available here ({exc})") from exc
+            raise SystemExit(f"--fp8 needs mt_dualpipe.fp8, which is not available here ({exc})") from exc
         if not args.from_pretrained:  # a checkpoint's stages were converted before loading
             for m in mods:
                 convert_to_fp8(m)
@@ -638,7 +638,7 @@ def optimizer_state_bytes(run: RankSetup, world: int) -> list[tuple[int, int]]:
 def fp8_weight_copies(run: RankSetup, world: int) -> list[tuple[int, int]]:
     """Every rank's (pipeline rank, bytes of its FP8 linears' cached E4M3 weights and scales) (collective): the
     runtime's recorder counts those copies (autograd saves them), the planner counts them as weights."""
-    from mt_dualpipe.integrations.fp8.linear import FP8Linear
+    from mt_dualpipe.fp8.linear import FP8Linear
 
     own = sum(q.data.numel() * q.data.element_size() + q.scale.numel() * q.scale.element_size()
               for m in run.mods for lin in m.modules() if isinstance(lin, FP8Linear)
@@ -841,7 +841,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         history["activation_peak_bytes"] = activation_peaks(stepper, world)
         history["rank_stages"] = fp8_weight_copies(run, world)
         if args.save_pretrained:  # collective: each rank writes its stages' tensors, rank 0 the index
-            from mt_dualpipe.integrations.deepseek_v3 import save_pipeline_checkpoint
+            from mt_dualpipe.models.deepseek_v3 import save_pipeline_checkpoint
 
             save_pipeline_checkpoint(run.mods, args.save_pretrained, group=dist.group.WORLD)
         if rank == 0:

@@ -7,7 +7,7 @@
 "FP8 is nearly lossless" is shown here, not asserted: each pipeline rank builds the same seeded
 ``LlamaConfig.preset("tiny")`` model, keeps its stages, and trains it twice over the same batches —
 once with its linears in the baseline precision (fp32, or bf16 weights and activations) and once
-converted to block-scaled FP8 (``mt_dualpipe.integrations.fp8``: E4M3 operands with one scale per
+converted to block-scaled FP8 (``mt_dualpipe.fp8``: E4M3 operands with one scale per
 128x128 weight block and per 1x128 activation tile; the optimizer keeps full-precision masters). Both
 loss curves go into one PNG (matplotlib, the ``plot`` extra) and the relative gap is printed:
 ``(fp8 − baseline) / baseline`` of the mean loss over the last ``--window`` steps and of a held-out
@@ -28,8 +28,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt_dualpipe import Pipeline  # noqa: E402
-from mt_dualpipe.integrations.deepseek_v3.data import synthetic_batch  # noqa: E402
-from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank, sync_replicas  # noqa: E402
+from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402
+from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank, sync_replicas  # noqa: E402
 from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules.registry import build_schedule  # noqa: E402
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-batches", type=int, default=2, help="held-out batches after training, default 2")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
                    help="torch.compile each layer's memory-bound parts, linears kept eager so W keeps their\n"
-                        "weight GEMMs (mt_dualpipe.integrations.compile); backend default inductor")
+                        "weight GEMMs (mt_dualpipe.models.compile); backend default inductor")
     p.add_argument("--corpus", nargs="+", default=None, metavar="FILE|DIR",
                    help="train on local text (streamed, packed) instead of the synthetic task")
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json for --corpus (default bytes)")
@@ -79,7 +79,7 @@ def make_data(args: argparse.Namespace, sched):
             return synthetic_batch(config.vocab_size, rows, args.seq_len, gen)
 
         return config, batch
-    from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer
+    from mt_dualpipe.data.text import PackedText, load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
     data = PackedText(args.corpus, args.seq_len, rows, tokenizer=tok, seed=args.seed)

@@ -8,7 +8,7 @@ stage. The library takes that mesh as is (``Pipeline(..., mesh=mesh, dp_mode="fs
 dimension names, ``parallel/mesh_roles.py``), keeps the FSDP stages unsharded for the step and
 reduce-scatters after each stage's last W, recomputes each checkpointed block once (in B; W reuses
 it) and keeps the compiled blocks' linears out of the graph so their weight GEMMs still run in W
-(``runtime/compiled.py``). The model is ``integrations.llama`` (its linears defer their weight
+(``runtime/compiled.py``). The model is ``models.llama`` (its linears defer their weight
 gradients to W). ``pp x dp`` gloo ranks on this machine (default 2 x 2); every step's mean loss is
 printed next to the same model trained in one process on the same batches.
 
@@ -31,7 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from mt_dualpipe import Pipeline  # noqa: E402
-from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank  # noqa: E402
+from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank  # noqa: E402
 from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules import build_schedule  # noqa: E402
 

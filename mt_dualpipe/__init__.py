@@ -23,8 +23,8 @@ _LAZY = {
 }
 
 
-SUBPACKAGES = ("cli", "integrations", "layers", "models", "parallel", "planner", "resilience", "runtime", "schedules",
-               "visualize")
+SUBPACKAGES = ("cli", "data", "fp8", "layers", "models", "optim", "parallel", "planner", "resilience", "runtime",
+               "schedules", "visualize")
 """Resolved on first use like the names above: ``mt_dualpipe.schedules`` loads no torch, ``runtime`` does."""
 
 

@@ -123,46 +123,11 @@ def documented_layers() -> list[str]:
     """The layer order, lowest first, from the line ``Layer order (lowest first): `a` → `b` → ...``."""
     match = re.search(r"^Layer order \(lowest first\): (.+)$", DOC.read_text(), re.MULTILINE)
     assert match, f"{DOC} must state the layer order in one line 'Layer order (lowest first): `a` → `b` ...'"
-    return re.findall(r"`([a-z_]+)`", match.group(1))
-
-
-def documented_aliases() -> dict[str, str]:
-    """Compatibility aliases, ``mt_dualpipe.<old>`` -> ``mt_dualpipe.<new>``, from the line
-    ``Compatibility aliases (...): `old` → `new`, ...`` (a family moved up the order, its old path kept)."""
-    match = re.search(r"^Compatibility aliases[^:]*: (.+)$", DOC.read_text(), re.MULTILINE)
-    if not match:
-        return {}
-    pairs = re.findall(r"`([a-z_.]+)` → `([a-z_.]+)`", match.group(1))
-    return {f"mt_dualpipe.{a}": f"mt_dualpipe.{b}" for a, b in pairs}
+    return re.findall(r"`([a-z_0-9]+)`", match.group(1))
 
 
 def _under(module: str, root: str) -> bool:
     return module == root or module.startswith(root + ".")
-
-
-def _alias_edge(src: str, dst: str, aliases: dict[str, str]) -> bool:
-    """An alias module's import of its target: the one arrow allowed to point up."""
-    return any(_under(src, old) and _under(dst, new) for old, new in aliases.items())
-
-
-def _re_export_problems(module: str, path: Path, target: str) -> list[str]:
-    """What makes ``module`` more than a re-export of ``target``: any statement but a docstring, imports
-    from ``target`` (or ``__future__``) and ``__all__``."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    problems = []
-    for i, node in enumerate(tree.body):
-        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            continue
-        if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            origin = ".".join(base + ([node.module] if node.module else []))
-            if origin == "__future__" or _under(origin, target):
-                continue
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
-            continue
-        problems.append(f"{module} line {node.lineno}: {type(node).__name__}")
-    return problems
 
 
 def _layer_of(module: str) -> str | None:
@@ -179,28 +144,14 @@ def test_every_import_points_down_the_documented_layers():
     packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert sorted(layers) == packages, "the documented layer order must name every subpackage once"
     rank = {name: i for i, name in enumerate(layers)}
-    aliases = documented_aliases()
     upward = []
     for src, targets in import_graph().items():
         a = _layer_of(src)
         for dst in targets:
             b = _layer_of(dst)
-            if a is not None and b is not None and rank[b] > rank[a] and not _alias_edge(src, dst, aliases):
+            if a is not None and b is not None and rank[b] > rank[a]:
                 upward.append(f"{src} -> {dst}")
     assert upward == []
-
-
-def test_compatibility_aliases_only_re_export_their_target():
-    """An alias may point up only because it holds no code: nothing but imports from its target."""
-    mods = _modules()
-    problems = []
-    for old, new in documented_aliases().items():
-        assert old in mods and new in mods, f"the alias {old} -> {new} names a module that does not exist"
-        for name, path in mods.items():
-            if _under(name, old):
-                problems += _re_export_problems(name, path, new)
-    assert problems == []
-    assert _re_export_problems("mt_dualpipe.a.b", PACKAGE / "layers" / "norm.py", "mt_dualpipe.layers")  # has code
 
 
 def test_the_checker_finds_a_planted_cycle_and_an_upward_arrow():
@@ -213,17 +164,16 @@ def test_the_checker_finds_a_planted_cycle_and_an_upward_arrow():
 
 
 def test_no_model_family_imports_another():
-    """Families (the registry's modules) share code only through ``mt_dualpipe.layers`` and the integrations'
-    infrastructure; an alias's import of its own target is not a second family."""
+    """Families (the registry's modules) share code only through ``mt_dualpipe.layers`` and what stages are
+    built with (``models/decoder_stage.py`` and its neighbours)."""
     from mt_dualpipe.models.registry import FAMILIES
 
     families = sorted({module for module, _ in FAMILIES.values()})
-    aliases = documented_aliases()
     crossing = []
     for src, targets in import_graph().items():
         home = next((f for f in families if _under(src, f)), None)
         for dst in targets:
             other = next((f for f in families if _under(dst, f)), None)
-            if home and other and other != home and not _alias_edge(src, dst, aliases):
+            if home and other and other != home:
                 crossing.append(f"{src} -> {dst}")
     assert crossing == []

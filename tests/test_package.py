@@ -32,3 +32,10 @@ def test_subpackages_resolve_lazily_without_torch():
 def test_unknown_attribute_still_fails():
     out = run("import mt_dualpipe as md\ntry:\n    md.nope\nexcept AttributeError as e:\n    print(e)")
     assert out.stdout.strip() == "module 'mt_dualpipe' has no attribute 'nope'"
+
+
+def test_subpackages_name_every_package_folder():
+    import mt_dualpipe
+
+    folders = sorted(p.name for p in (ROOT / "mt_dualpipe").iterdir() if (p / "__init__.py").is_file())
+    assert sorted(mt_dualpipe.SUBPACKAGES) == folders

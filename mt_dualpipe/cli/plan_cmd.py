@@ -168,7 +168,7 @@ def best_command(result) -> str | None:
 def planned_with_savers(model: ModelSpec, savers: str, planned: Callable[[str], PlanResult]
                         ) -> tuple[PlanResult, str]:
     """The plan with the savers asked for; with ``"auto"``, without savers unless nothing fits that way and
-    the model's modules have DeepSeek-V3's savers (MLA: ``integrations/deepseek_v3``, the only modules the
+    the model's modules have DeepSeek-V3's savers (MLA: ``models/deepseek_v3``, the only modules the
     switches exist in), then with all of them, and a line saying so (empty when nothing was switched on)."""
     if savers != "auto":
         return planned(savers), ""

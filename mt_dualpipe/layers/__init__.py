@@ -18,7 +18,7 @@
 ==================  ======================================================================
 
 Each module that keeps activations declares its recompute regions (``recompute_regions(policy)``, read
-by ``integrations.recompute.apply_recompute``) and what it keeps per token (``saved_per_token``).
+by ``models.recompute.apply_recompute``) and what it keeps per token (``saved_per_token``).
 """
 
 from .attention import GQAttention

@@ -14,7 +14,7 @@ Memory options: ``norm_recompute`` (the latents' RMSNorms keep only their inputs
 E4M3 copy of the input for both down-projections: any linear with ``quantize_input`` and an ``xq`` argument).
 
 Module names are DeepSeek's reference ones (``wq_a``, ``q_norm``, ``wq_b``, ``wkv_a``, ``kv_norm``,
-``wkv_b``, ``wo``); the DeepSeek-V3 family maps them to transformers' (``integrations/deepseek_v3/hf_names.py``).
+``wkv_b``, ``wo``); the DeepSeek-V3 family maps them to transformers' (``models/deepseek_v3/hf_names.py``).
 RoPE (``RopeSpec``: plain or YaRN) and the softmax run in ``compute_dtype``.
 """
 

@@ -9,7 +9,7 @@ the ``Routing``, so a router with another scoring plugs in without touching disp
 - ``SigmoidGroupLimitedRouter`` (DeepSeek-V3, ``topk_method="noaux_tc"``): sigmoid affinities, a
   selection-only bias (``e_score_correction_bias``, moved by auxiliary-loss-free balancing), top-k inside
   the best expert groups (``group_limited_topk``), gate weights the unbiased affinities renormalised and
-  times ``routed_scaling_factor``. DeepSeek-V3's own ``Gate`` (``integrations/deepseek_v3/moe.py``) is a
+  times ``routed_scaling_factor``. DeepSeek-V3's own ``Gate`` (``models/deepseek_v3/moe.py``) is a
   ``Router`` too: it selects with the same ``group_limited_topk`` and adds what its runtime needs
   (device-limited routing, the router-input saver, load counting, DeepSeek-V2's scorings).
 

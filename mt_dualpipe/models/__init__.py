@@ -3,7 +3,7 @@
 ``layers`` holds the pieces (norms, RoPE, attention, MLP, router, MoE, embedding and head); each family
 (``llama``, ``qwen3_moe``, ``llava``) is one folder that composes them and imports no other family.
 ``from_pretrained(path)`` reads a Hugging Face folder's ``model_type`` and returns that family's model
-(``registry.py``), ``integrations.deepseek_v3`` included; ``planner_model(name)`` gives the planner a family
+(``registry.py``), ``models.deepseek_v3`` included; ``planner_model(name)`` gives the planner a family
 preset's ``ModelSpec`` (``planner_specs.py``).
 """
 

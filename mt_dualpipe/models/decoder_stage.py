@@ -13,7 +13,7 @@ stage takes. Everything a schedule needs is here: the layer split (``stage_layer
 ``stage(x)`` -> hidden states and ``criterion(hidden, labels, normalizer=None)`` -> loss, weight copying
 (``load_from``), the stage list for a rank (``local_stage_indices``, ``build_stage_list``), what
 ``compile=`` compiles (``compile_targets``, applied with the recompute policy by ``stage_finisher``) and the
-bound criterion (``criterion_for``). DeepSeek-V3's stages (``integrations/deepseek_v3/stages.py``) keep their
+bound criterion (``criterion_for``). DeepSeek-V3's stages (``models/deepseek_v3/stages.py``) keep their
 own class: their MTP module and overlapped forward/backward do not fit this contract.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..integrations.compile import check_backend, compile_stage
-from ..integrations.hf_checkpoint import open_checkpoint
-from ..integrations.recompute import apply_recompute, check_policy
 from ..layers import MoEBlock, lm_loss, logits
 from ..runtime.deferred import defer_weight_grads as _defer_weight_grads
+from .compile import check_backend, compile_stage
+from .hf_checkpoint import open_checkpoint
+from .recompute import apply_recompute, check_policy
 
 
 def stage_layer_ids(num_layers: int, num_stages: int, layout: Sequence[int] | None = None,
@@ -130,7 +130,7 @@ class DecoderStage(nn.Module):
         return dict(self.state_dict())
 
     def compile_targets(self) -> list[nn.Module]:
-        """What ``compile=`` compiles (``integrations/compile.py``), the memory-bound parts: per decoder layer
+        """What ``compile=`` compiles (``models/compile.py``), the memory-bound parts: per decoder layer
         each sub-module (norms, attention with RoPE and softmax, the dense SwiGLU), of an MoE block only its
         shared expert (routed experts, router, dispatch and combine stay eager: their row counts follow the
         routing, and a compiled version would recompile with every count), and the final norm; the loss is

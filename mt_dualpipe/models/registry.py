@@ -16,7 +16,7 @@ from typing import Any
 FAMILIES: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("mt_dualpipe.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "llama": ("mt_dualpipe.models.llama", "LlamaForCausalLM"),
-    "deepseek_v3": ("mt_dualpipe.integrations.deepseek_v3", "DeepSeekV3Model"),
+    "deepseek_v3": ("mt_dualpipe.models.deepseek_v3", "DeepSeekV3Model"),
     "llava": ("mt_dualpipe.models.llava", "LlavaForConditionalGeneration"),
 }
 

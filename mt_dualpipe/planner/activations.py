@@ -1,8 +1,8 @@
 """Bytes a decoder layer saves for its backward, per token, under each recompute policy.
 
-Counted tensor by tensor from what the integrations' modules hand autograd (``integrations/
-deepseek_v3/{mla,moe,model}.py``, ``integrations/llama/model.py``; the policies are applied by
-``integrations/recompute.py``), so the estimate follows the code rather than a fitted constant:
+Counted tensor by tensor from what the families' modules hand autograd (``models/
+deepseek_v3/{mla,moe,model}.py``, ``models/llama/model.py``; the policies are applied by
+``models/recompute.py``), so the estimate follows the code rather than a fitted constant:
 
 - **RMSNorm** (``F.rms_norm`` decomposed, in the compute dtype): its input upcast to float32 (the
   input itself in a float32 model, a new copy otherwise), the normalised input (for the weight's
@@ -40,7 +40,7 @@ keeps each recomputed region's input: a dense layer keeps its input only; a MoE 
 attention sublayer's input, and its router, dispatch and combine still save what they save (they
 are never re-run), while the experts keep only the dispatched rows.
 
-The integrations run an eager core attention (einsum, softmax, einsum: the S×S probabilities are
+The families run an eager core attention (einsum, softmax, einsum: the S×S probabilities are
 saved); ``Dtypes.fused_attention`` models a flash-style kernel instead (q, k, v, the output and
 one log-sum-exp per head), which is what DeepSeek-V3's production training keeps.
 
@@ -64,12 +64,12 @@ MASK = 1.0   # a bool
 FP8_TILE = 128
 FP8_LIN = 1.0 + 4.0 / FP8_TILE
 """Bytes per element of an FP8-cached linear input: E4M3 + a float32 scale per 1×128 tile
-(``integrations/fp8/quantize.py``; exact when the feature count is a multiple of 128, as in
+(``fp8/quantize.py``; exact when the feature count is a multiple of 128, as in
 DeepSeek-V3)."""
 
 
 SAVERS = ("norm", "swiglu", "combine", "router", "attention", "loss", "mla_input")
-"""DeepSeek-V3's activation savers, as ``integrations.deepseek_v3.config.MEMORY_SAVERS`` names them."""
+"""DeepSeek-V3's activation savers, as ``models.deepseek_v3.config.MEMORY_SAVERS`` names them."""
 
 _savers: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("memory_savers", default=frozenset())
 

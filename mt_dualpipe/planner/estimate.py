@@ -208,7 +208,7 @@ def runtime_cut(model: ModelSpec, strategy: Strategy) -> list[int]:
 
 def ties_across_stages(model: ModelSpec, stages: int) -> bool:
     """Whether the runtime's stages tie a weight across stages: the MTP modules on the last stage share
-    the first stage's embedding (``integrations/deepseek_v3/stages.py``, ``tied_parameters``)."""
+    the first stage's embedding (``models/deepseek_v3/stages.py``, ``tied_parameters``)."""
     return model.mtp_depth > 0 and stages > 1
 
 

@@ -5,7 +5,7 @@ that keeps them, so a reported total can be checked against the runtime piece by
 gradients, optimizer, activations); ``mt-dualpipe plan`` prints them for the published (or the best)
 configuration. Parameters are counted per rank from its stages' items (``ModelSpec.items``); a weight
 two local stages share is one item (DeepSeek-V3's MTP reads the main embedding:
-``integrations/deepseek_v3/stages.py``, ``share_local_embedding``), so it is counted once, and only a
+``models/deepseek_v3/stages.py``, ``share_local_embedding``), so it is counted once, and only a
 last stage away from the first keeps a copy of the embedding (``extra_params``).
 
 Bytes per parameter are DeepSeek-V3's recipe (``weight_bytes``: BF16 weights, FP32 gradients, an FP32
@@ -92,11 +92,11 @@ def memory_terms(strategy: Strategy, stages: Sequence[Sequence[Item]], local: Se
         MemoryTerm("weights", "non-expert weights", p.dense * wb / GB, f"{b} params x {wb:g} B", stage_code),
         MemoryTerm("weights", "routed-expert weights", p.expert * wb / GB,
                    f"{e} params (experts / ep {strategy.ep}) x {wb:g} B",
-                   "the rank's experts (integrations/deepseek_v3/moe.py: MoE over its ep group)"),
+                   "the rank's experts (models/deepseek_v3/moe.py: MoE over its ep group)"),
     ]
     if p.fp8:
         terms.append(MemoryTerm("weights", "FP8 weight copies", p.fp8 / GB, f"{p.fp8 / 1e9:.3f} B linear params x 1 B",
-                                "FP8Linear's cached E4M3 weight (integrations/fp8/linear.py)"))
+                                "FP8Linear's cached E4M3 weight (fp8/linear.py)"))
     per_mb = ""
     if stage_bytes is not None and local:
         held = act_bytes / max(stage_bytes[s] for s in local) if any(stage_bytes[s] for s in local) else 0.0

@@ -221,7 +221,7 @@ class ModelSpec:
 
     @classmethod
     def from_deepseek_config(cls, cfg: object) -> ModelSpec:
-        """From ``mt_dualpipe.integrations.deepseek_v3.DeepSeekV3Config`` (duck-typed, no torch import)."""
+        """From ``mt_dualpipe.models.deepseek_v3.DeepSeekV3Config`` (duck-typed, no torch import)."""
         return cls(name="deepseek_v3", hidden_size=cfg.dim, head_num=cfg.n_heads, layer_num=cfg.n_layers,
                    vocab_size=cfg.vocab_size, intermediate_size=cfg.inter_dim, dense_layers=cfg.n_dense_layers,
                    expert_num=cfg.n_routed_experts, topk=cfg.n_activated_experts,
@@ -233,7 +233,7 @@ class ModelSpec:
 
     @classmethod
     def from_llama_config(cls, cfg: object) -> ModelSpec:
-        """From ``mt_dualpipe.integrations.llama.LlamaConfig`` (duck-typed, no torch import)."""
+        """From ``mt_dualpipe.models.llama.LlamaConfig`` (duck-typed, no torch import)."""
         return cls(name="llama", hidden_size=cfg.hidden_size, head_num=cfg.num_attention_heads,
                    layer_num=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
                    attention_type="gqa", kv_head_num=cfg.num_key_value_heads, head_size=cfg.dim_per_head)
@@ -290,7 +290,7 @@ class ModelSpec:
                    micro_batch_size: int = 1, attention: str = "eager") -> Item:
         """One decoder layer. ``act_unit``: bytes per cached linear-input element (2 bf16, 1 FP8);
         ``elem``: bytes of the other saved elements (2 bf16, 4 fp32); ``attention``: "eager" (the
-        integrations' einsum core, probabilities saved) or "fused" (flash-style). Saved bytes per token
+        models' einsum core, probabilities saved) or "fused" (flash-style). Saved bytes per token
         follow ``planner/activations.py``; ``recompute_*`` are the forward FLOPs the policy re-runs in B."""
         h, n = self.hidden_size, self.head_num
         dqk, dv = self._dims()

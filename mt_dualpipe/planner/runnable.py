@@ -2,7 +2,7 @@
 
 The planner models more than the runtime runs: it could model tensor parallelism, which the
 runtime does not launch. Recompute none / selective / full is applied by the DeepSeek-V3 and Llama
-integrations when their stages are built (``integrations/recompute.py``), so every policy the planner
+families when their stages are built (``models/recompute.py``), so every policy the planner
 estimates is runnable. A configuration is offered as *runnable* only when
 every knob it needs is one the runtime has; otherwise it carries the reasons, so ``mt-dualpipe
 plan`` marks it (or leaves it out with ``--runnable-only``) instead of recommending what cannot be
@@ -31,7 +31,7 @@ from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
 from .strategy import Strategy, schedule_options
 
 RUNTIME_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
-"""Recompute policies the runtime's stages apply (``integrations.recompute.POLICIES``; a test keeps them equal)."""
+"""Recompute policies the runtime's stages apply (``models.recompute.POLICIES``; a test keeps them equal)."""
 RUNTIME_TP: tuple[int, ...] = (1,)
 """Tensor-parallel sizes the launch path runs. The planner estimates any tp (Megatron-style, with sequence
 parallelism); the runtime's tensor-parallel stages (``parallel/tensor_parallel.py``: dense Llama blocks,

@@ -14,7 +14,7 @@ stages) by moving blocks across stage boundaries while that improves the loads.
 
 Why the planner takes this cut rather than its own chain partition (``estimate.stage_items``): the
 memory it reports must be the memory of the stages the runtime builds
-(``integrations/deepseek_v3/stages.py``: ``stages_for_rank`` calls ``balance`` through
+(``models/deepseek_v3/stages.py``: ``stages_for_rank`` calls ``balance`` through
 ``stage_balance.balanced_layout``). Memory is not in the objective, but the cut is what makes
 DeepSeek-V3's published layout fit: the ranks that hold the embedding, the head and the MTP modules
 get fewer blocks (DualPipe at 671B: 5 on ranks 0 and 15, 8 elsewhere), and the heaviest-stage rule
@@ -44,7 +44,7 @@ Placement = Sequence[Sequence[int]]
 
 def cuts_per_rank(model: ModelSpec) -> bool:
     """Whether the runtime cuts ``model``'s stages with ``balance``: the DeepSeek-V3 family (MLA attention,
-    ``integrations/deepseek_v3/stage_balance.py``). Other families keep the planner's chain partition."""
+    ``models/deepseek_v3/stage_balance.py``). Other families keep the planner's chain partition."""
     return model.attention_type == "mla"
 
 

@@ -31,7 +31,7 @@ class Strategy:
     layers_per_stage: tuple[int, ...] | None = None  # decoder layers per stage (default: balanced by compute)
     placement: str = ""            # for schedule "auto": linear, v or dual
     attention: str = "fused"       # core attention saving: "fused" (flash-style, production GPUs) or "eager"
-    #                                (the integrations' einsum core, S x S probabilities saved)
+    #                                (the models' einsum core, S x S probabilities saved)
     tp: int = 1                    # tensor-parallel size (Megatron-style with sequence parallelism); ``dp``
     #                                counts data-parallel replicas of one tensor-parallel group
 

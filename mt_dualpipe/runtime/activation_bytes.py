@@ -11,7 +11,7 @@ however many saved views share it; parameters (norm weights autograd references)
 activations and are left out.
 
 Tensors a ``torch.utils.checkpoint`` region recomputes in B are saved through the checkpoint's own
-hooks, not these; the recompute policies (``integrations/recompute.py``) report the inputs of the
+hooks, not these; the recompute policies (``models/recompute.py``) report the inputs of the
 layers that keep them for W (``ActivationBytes.active().recomputed``) while they recompute, and so
 does ``checkpoint_reuse`` for the tensors B keeps for W out of a user's checkpointed region. The
 executor ``settle``s after each B: those still alive then are what the queued W holds, and are

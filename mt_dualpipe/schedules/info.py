@@ -32,7 +32,7 @@ class ScheduleInfo:
     def layout(self, num_ranks: int, num_microbatches: int = 2, **options: object) -> Placement:
         """The placement this schedule runs on for these parameters, without building the schedule.
 
-        What the planner and model integrations need (stage counts, which stages a rank holds)
+        What the planner and model families need (stage counts, which stages a rank holds)
         without generating an order.
         """
         name = self.placement

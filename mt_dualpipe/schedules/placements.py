@@ -2,7 +2,7 @@
 
 A placement says which rank runs each stage: ``placement[chain][stage] -> rank``; with it comes
 ``microbatch_chain[m]``, the chain micro-batch ``m`` flows through. Generators, ``auto``, the
-planner and model integrations (which modules a rank builds) all take their layout from here.
+planner and model families (which modules a rank builds) all take their layout from here.
 
 * ``linear``: one chain of P stages, stage s on rank s (GPipe, 1F1B, ZB-H1/H2);
 * ``v``: one chain of 2P stages in a V — down ranks 0..P-1, back up P-1..0 (ZB-V, DualPipeV);

@@ -54,8 +54,8 @@ def _exact_fp32():
                     reason="block-scaled FP8 GEMMs need SM90+")
 @pytest.mark.parametrize("m, n, k", [(256, 512, 1024), (200, 300, 136), (7, 129, 128)])
 def test_block_scaled_scaled_mm_is_chosen_and_equals_the_emulation(m, n, k):
-    from mt_dualpipe.integrations.fp8 import quantize_blocks, quantize_tiles, resolve_gemm
-    from mt_dualpipe.integrations.fp8.backends import emulated_gemm
+    from mt_dualpipe.fp8 import quantize_blocks, quantize_tiles, resolve_gemm
+    from mt_dualpipe.fp8.backends import emulated_gemm
 
     name, gemm = resolve_gemm("cuda")
     assert name == "scaled_mm"
@@ -72,7 +72,7 @@ def test_block_scaled_scaled_mm_is_chosen_and_equals_the_emulation(m, n, k):
 
 # ----- the runtime on one GPU ------------------------------------------------------------------------------------
 def _config(**kw):
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
 
     base = dict(dim=128, n_layers=4, vocab_size=256, inter_dim=256, moe_inter_dim=128, max_seq_len=64)
     return DeepSeekV3Config.preset("tiny", **{**base, **kw})
@@ -87,7 +87,7 @@ def _batches(config, num_mb: int, seq: int = 32):
 @pytest.mark.parametrize("schedule, defer", [("dualpipev", True), ("dualpipev", False), ("zbv", True)])
 def test_deepseek_v3_pipeline_on_one_gpu_equals_the_plain_model(schedule, defer):
     from mt_dualpipe import Pipeline
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model, criterion_for, stages_for_rank
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Model, criterion_for, stages_for_rank
     from mt_dualpipe.schedules.registry import build_schedule
 
     num_mb, config = 4, _config()
@@ -121,8 +121,8 @@ def test_fp8_stages_on_one_gpu_run_the_kernel_and_match_the_plain_fp8_model():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("block-scaled FP8 GEMMs need SM90+")
     from mt_dualpipe import Pipeline
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model, criterion_for, stages_for_rank
-    from mt_dualpipe.integrations.fp8 import FP8Linear, convert_to_fp8
+    from mt_dualpipe.fp8 import FP8Linear, convert_to_fp8
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Model, criterion_for, stages_for_rank
     from mt_dualpipe.schedules.registry import build_schedule
 
     num_mb, config = 4, _config()

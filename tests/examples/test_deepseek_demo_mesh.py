@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deepseek_v3_repro.py"

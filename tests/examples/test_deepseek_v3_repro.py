@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS
-from mt_dualpipe.integrations.text_data import PackedText, load_tokenizer
+from mt_dualpipe.data.text import PackedText, load_tokenizer
+from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS
 from tests.helpers.text import train_tokenizer, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_compiled_blocks_train_like_eager(first_run, tmp_path):
     linears kept eager for W; the first steps' losses are the eager run's bit for bit. No float tolerance
     would do: the second step's loss follows an optimizer step on FP8 gradients, where a one-ulp change can
     move an element by a whole E4M3 step; aot_eager runs the eager kernels in the eager order, so the two
-    runs agree exactly on any CPU (``tests/integrations/test_compile.py`` says how)."""
+    runs agree exactly on any CPU (``tests/models/test_compile.py`` says how)."""
     eager = first_run[0]
     data, _ = run_example("--steps", "2", "--fp8", "--compile", "aot_eager", summary=tmp_path / "c.json")
     assert data["compile"] == "aot_eager" and eager["compile"] is None
@@ -175,14 +175,14 @@ def test_real_text_with_a_bpe_tokenizer_reports_held_out_loss(tmp_path):
     assert data["layout"] != "Et|t|t|tmL" and max(data["modelled_cost_per_rank"]) < 0.56
 
 
-@pytest.mark.slow  # per-stage HF save and load across ranks: tests/integrations/test_hf_checkpoint_dist.py
+@pytest.mark.slow  # per-stage HF save and load across ranks: tests/models/test_hf_checkpoint_dist.py
 def test_save_pretrained_then_fine_tune_from_it(tmp_path):
     """--save-pretrained writes a Hugging Face checkpoint from both pipeline ranks; --from-pretrained starts
     from it: the fine-tuning run's first loss equals the single-process model loaded from the same folder on
     the same batch (ZB-V: each rank loads its own two stages only)."""
     from types import SimpleNamespace
 
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Model
 
     ckpt = tmp_path / "ckpt"
     first, out = run_example("--steps", "3", "--no-rewind", "--save-pretrained", str(ckpt), summary=tmp_path / "a.json")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mt_dualpipe.integrations.hf_checkpoint import Checkpoint
+from mt_dualpipe.models.hf_checkpoint import Checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "vlm_pipeline.py"

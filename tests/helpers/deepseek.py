@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model, DeepSeekV3Stage, build_stages
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3Stage, build_stages
 
 
 def overlapped_equals_sequential(config, model: DeepSeekV3Model, x0: torch.Tensor, x1: torch.Tensor,

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 # torch._dynamo: the first torch.optim optimizer of a process imports it (about 2 s of CPU per rank otherwise).
 RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
                 "torch.distributed.checkpoint", "mt_dualpipe.runtime", "mt_dualpipe.parallel",
-                "mt_dualpipe.integrations.deepseek_v3", "mt_dualpipe.integrations.llama", "mt_dualpipe.resilience"]
+                "mt_dualpipe.models.deepseek_v3", "mt_dualpipe.models.llama", "mt_dualpipe.resilience"]
 
 
 def rank_context() -> Any:

@@ -1,4 +1,4 @@
-"""transformers as a float64 reference for the model integrations (a test extra, never a runtime need).
+"""transformers as a float64 reference for the model families (a test extra, never a runtime need).
 
 transformers pins RMSNorm, RoPE, the attention softmax and the MoE router to float32 whatever the
 model dtype (``hidden_states.to(torch.float32)``, ``dtype=torch.float``, ...), so a float64
@@ -63,7 +63,7 @@ def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
 def recorded_reads() -> Iterator[list[str]]:
     """The tensor names every ``hf_checkpoint.Checkpoint.read`` yields inside the block, in order (the list stays
     filled after it): what a per-stage load really read from the files."""
-    from mt_dualpipe.integrations import hf_checkpoint
+    from mt_dualpipe.models import hf_checkpoint
 
     read: list[str] = []
     real = hf_checkpoint.Checkpoint.read

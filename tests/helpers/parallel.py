@@ -88,7 +88,7 @@ TP_ROWS, TP_SEQ, TP_CHUNKS = 4, 8, 4  # rows per data-parallel replica
 
 def tp_llama_config():
     """A Llama small enough for 4 fp64 ranks on 2 cores, every head count divisible by tp=2 (GQA 2:1)."""
-    from mt_dualpipe.integrations.llama import LlamaConfig
+    from mt_dualpipe.models.llama import LlamaConfig
 
     return LlamaConfig.preset("tiny", num_hidden_layers=4, vocab_size=64, hidden_size=32, intermediate_size=64,
                               num_attention_heads=4, num_key_value_heads=2)
@@ -103,7 +103,7 @@ def tp_llama_batch(dp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tp_llama_model():
     """The fp64 single-process model (seed 0); pipeline ranks copy their stages from it."""
-    from mt_dualpipe.integrations.llama import LlamaForCausalLM
+    from mt_dualpipe.models.llama import LlamaForCausalLM
 
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # initialised in fp64, as the ranks' stages are
@@ -129,7 +129,7 @@ def tp_llama_reference(dp: int = 1, lr: float = 0.1) -> dict[str, torch.Tensor]:
 def tp_pipeline_step(rank: int, world: int, schedule: str, defer: bool, dp: int = 1, lr: float = 0.1) -> dict:
     """One SGD step of a PP2 x DP x TP2 pipeline of ``tp_llama_model``'s stages; gathered parameters and counters."""
     from mt_dualpipe import Pipeline
-    from mt_dualpipe.integrations.llama import criterion_for, stages_for_rank
+    from mt_dualpipe.models.llama import criterion_for, stages_for_rank
     from mt_dualpipe.parallel import init_parallel
     from mt_dualpipe.parallel.tensor_parallel import full_parameters, parallelize_llama_stage, tensor_parallel_params
     from mt_dualpipe.schedules import OpKind, schedule_info
@@ -316,7 +316,7 @@ def tp_refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from mt_dualpipe import Pipeline
-    from mt_dualpipe.integrations.llama import LlamaStage
+    from mt_dualpipe.models.llama import LlamaStage
     from mt_dualpipe.parallel import init_parallel
     from mt_dualpipe.parallel.tensor_parallel import parallelize_llama_stage
 

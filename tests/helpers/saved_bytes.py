@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
-from mt_dualpipe.integrations.deepseek_v3 import build_stages as deepseek_stages
-from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM
-from mt_dualpipe.integrations.llama.stages import build_stages as llama_stages
-from mt_dualpipe.integrations.recompute import POLICIES, SavedActivationMeter
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+from mt_dualpipe.models.deepseek_v3 import build_stages as deepseek_stages
+from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM
+from mt_dualpipe.models.llama.stages import build_stages as llama_stages
+from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter
 from mt_dualpipe.planner import ModelSpec
 
 SEQ = 32
@@ -116,9 +116,9 @@ def planned(kind: str, policy: str) -> dict[str, float]:
 
 def stage_layer_counts(kind: str) -> list[list[int]]:
     if kind == "deepseek":
-        from mt_dualpipe.integrations.deepseek_v3.stages import stage_layer_ids
+        from mt_dualpipe.models.deepseek_v3.stages import stage_layer_ids
     else:
-        from mt_dualpipe.integrations.llama.stages import stage_layer_ids
+        from mt_dualpipe.models.llama.stages import stage_layer_ids
     return stage_layer_ids(config(kind), STAGES)
 
 

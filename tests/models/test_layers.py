@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mt_dualpipe.integrations.recompute import DeclaresRecompute
 from mt_dualpipe.layers import GQAttention, LocalDispatch, RopeSpec, SoftmaxTopKRouter, SwiGLUMLP, cos_sin
 from mt_dualpipe.layers import inv_freq as our_inv_freq
+from mt_dualpipe.models.recompute import DeclaresRecompute
 from tests.helpers.hf_reference import float64_transformers, relative_error
 
 pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
@@ -117,8 +117,8 @@ def test_init_normal_gives_deferred_linears_zero_biases_and_normal_weights():
 def test_recomputed_rms_norm_keeps_only_its_input_and_gives_the_same_gradients(fused):
     """bf16: ``recompute`` keeps the input alone and re-runs the same ``rms_norm`` in B (bit-equal gradients);
     ``fused`` is one ``F.rms_norm`` in bf16, the default transformers' order (float32 normalise, then weight)."""
-    from mt_dualpipe.integrations.recompute import SavedActivationMeter
     from mt_dualpipe.layers import RMSNorm
+    from mt_dualpipe.models.recompute import SavedActivationMeter
 
     x0 = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     results = []

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import mt_dualpipe.integrations.hf_checkpoint as hf_checkpoint
+import mt_dualpipe.models.hf_checkpoint as hf_checkpoint
 from mt_dualpipe.layers import RopeSpec
 from mt_dualpipe.models import from_pretrained
 from mt_dualpipe.models.llava import (
@@ -322,7 +322,7 @@ def test_recompute_policies_give_the_same_gradients():
 def test_compiled_stages_give_the_same_gradients():
     """``compile=`` (aot_eager) compiles every text layer's parts (the tower stays eager) and gives eager's
     gradients; the compiled regions are the shared ``DecoderStage.compile_targets``."""
-    from mt_dualpipe.integrations.compile import compiled_targets
+    from mt_dualpipe.models.compile import compiled_targets
 
     torch._dynamo.reset()
     grads = {}
@@ -381,9 +381,9 @@ def test_balanced_layout_gives_stage_0_fewer_text_layers_when_the_encoder_is_hea
 def test_the_planner_counts_what_the_vision_modules_declare_and_autograd_keeps(tower, policy):
     """The planner's saved elements per image (``spec.vision_costs``) are the tower's and the projector's
     declarations; against what autograd keeps running them on 3 images (float32): equal."""
-    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
     from mt_dualpipe.models.llava.model import LlavaBody, init_llava
     from mt_dualpipe.models.llava.spec import vision_costs
+    from mt_dualpipe.models.recompute import SavedActivationMeter, apply_recompute
 
     config = LlavaConfig.preset("tiny", tower=tower, vision={"hidden_size": 64, "intermediate_size": 128,
                                                              "num_hidden_layers": 4, "image_size": 32,

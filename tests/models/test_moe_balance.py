@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config
-from mt_dualpipe.integrations.deepseek_v3.moe import Gate
 from mt_dualpipe.layers import LocalDispatch, MoEBlock, SigmoidGroupLimitedRouter, SoftmaxTopKRouter
 from mt_dualpipe.layers.balance import switch_balance_loss
 from mt_dualpipe.layers.router import group_limited_topk
 from mt_dualpipe.models import from_pretrained
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
+from mt_dualpipe.models.deepseek_v3.moe import Gate
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
 
@@ -177,8 +177,8 @@ def test_balance_loss_is_off_by_default_and_in_evaluation():
 def test_deepseek_v3s_own_gate_drives_the_shared_moe_block_as_its_moe():
     """The DeepSeek family's ``Gate`` is a shared-layer ``Router``: plugged into ``layers.MoEBlock`` with the
     same expert weights, the block's output equals the family's ``MoE`` (float64, shared expert included)."""
-    from mt_dualpipe.integrations.deepseek_v3.moe import MoE
     from mt_dualpipe.layers import Router
+    from mt_dualpipe.models.deepseek_v3.moe import MoE
 
     config = DeepSeekV3Config.preset("tiny")
     torch.manual_seed(0)

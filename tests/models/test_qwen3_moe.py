@@ -351,8 +351,8 @@ def test_30b_a3b_preset_and_planner_spec():
 @pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_declared_saved_bytes_are_within_15_percent_of_what_autograd_keeps(moe, policy):
-    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
     from mt_dualpipe.models.qwen3_moe import Qwen3MoeDecoderLayer
+    from mt_dualpipe.models.recompute import SavedActivationMeter, apply_recompute
 
     config = Qwen3MoeConfig.preset("tiny", hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
                                    num_experts=8, head_dim=16)
@@ -375,9 +375,9 @@ def test_the_planner_counts_what_the_layers_declare_and_autograd_keeps(moe, poli
     """The planner's saved bytes per token of a Qwen3-MoE layer come from the modules' declarations
     (``spec.declared_saved``), not a separate description; against what autograd keeps (the meter),
     float32, sequence 64: within 10 %."""
-    from mt_dualpipe.integrations.recompute import SavedActivationMeter, apply_recompute
     from mt_dualpipe.models.qwen3_moe import Qwen3MoeDecoderLayer
     from mt_dualpipe.models.qwen3_moe.spec import planner_spec
+    from mt_dualpipe.models.recompute import SavedActivationMeter, apply_recompute
 
     config = Qwen3MoeConfig.preset("tiny", hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
                                    num_experts=8, head_dim=16)
@@ -397,7 +397,7 @@ def test_the_planner_counts_what_the_layers_declare_and_autograd_keeps(moe, poli
 def test_fp8_stages_convert_every_expert_and_train_close_to_bf16(saved):
     """``fp8=True``: attention, dense and expert linears become ``FP8Linear`` (router and head stay), from a
     source model or read from the checkpoint, and the loss is close to the unconverted one, not equal."""
-    from mt_dualpipe.integrations.fp8 import FP8Linear
+    from mt_dualpipe.fp8 import FP8Linear
     from mt_dualpipe.models.qwen3_moe import build_stages
 
     config, model, path = saved

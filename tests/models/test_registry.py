@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
-from mt_dualpipe.integrations.llama import LlamaConfig, LlamaForCausalLM
 from mt_dualpipe.models import FAMILIES, family, from_pretrained
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 torch.set_num_threads(1)

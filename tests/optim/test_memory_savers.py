@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
 from mt_dualpipe.optim import AdamWBF16, CpuEMA, optimizer_state_bytes
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from mt_dualpipe.integrations.llama import LlamaStage
+from mt_dualpipe.models.llama import LlamaStage
 from mt_dualpipe.parallel.tensor_parallel import llama_tp_plan
 from mt_dualpipe.runtime.data_parallel import check_mesh
 from mt_dualpipe.runtime.errors import PipelineError

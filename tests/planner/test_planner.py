@@ -18,7 +18,7 @@ def v3():
     return ModelSpec.load("deepseek-v3")
 
 
-# What the integrations' modules save (planner/activations.py) puts DeepSeek-V3's 4096-token micro-batches
+# What the families' modules save (planner/activations.py) puts DeepSeek-V3's 4096-token micro-batches
 # at ~170 GB per GPU on 2,048 GPUs: the tests of the search and its ranking give the H800s 192 GB.
 H800_192 = PRESETS["h800"].replace(gpu_memory_gb=192)
 
@@ -45,7 +45,7 @@ def test_parameter_counts_work_on_a_spec_subclass_with_its_own_fields(v3):
 
 def test_tiny_deepseek_parameter_count_matches_the_model():
     torch = pytest.importorskip("torch")
-    ds = pytest.importorskip("mt_dualpipe.integrations.deepseek_v3")
+    ds = pytest.importorskip("mt_dualpipe.models.deepseek_v3")
     torch.manual_seed(0)
     cfg = ds.DeepSeekV3Config.preset("tiny")
     model = ds.DeepSeekV3Model(cfg)

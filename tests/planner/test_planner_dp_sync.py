@@ -126,9 +126,9 @@ def test_launch_tuple_in_the_runtimes_terms(v3):
     assert e.runnable and e.to_dict()["unrunnable"] == []
 
 
-def test_runtime_recompute_policies_are_the_integrations():
+def test_runtime_recompute_policies_are_the_families():
     pytest.importorskip("torch")
-    from mt_dualpipe.integrations.recompute import POLICIES
+    from mt_dualpipe.models.recompute import POLICIES
 
     assert RUNTIME_RECOMPUTE == POLICIES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-ds = pytest.importorskip("mt_dualpipe.integrations.deepseek_v3")
+ds = pytest.importorskip("mt_dualpipe.models.deepseek_v3")
 runtime = pytest.importorskip("mt_dualpipe.runtime.modules")
 
 from mt_dualpipe.planner import PRESETS, ModelSpec, Strategy, estimate  # noqa: E402

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
-from mt_dualpipe.integrations.deepseek_v3.config import MEMORY_SAVERS
-from mt_dualpipe.integrations.fp8.linear import FP8Linear
-from mt_dualpipe.integrations.recompute import POLICIES, SavedActivationMeter
+from mt_dualpipe.fp8.linear import FP8Linear
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
+from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS
+from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter
 from mt_dualpipe.planner import ModelSpec
 from mt_dualpipe.planner.activations import FP8_LIN, SAVERS, memory_savers
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config, stage_layer_ids, stages_for_rank
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, stage_layer_ids, stages_for_rank
 from mt_dualpipe.planner import ModelSpec
 from mt_dualpipe.planner.activations import FP8_LIN, memory_savers
 from mt_dualpipe.planner.estimate import stage_items

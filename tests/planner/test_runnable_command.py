@@ -131,7 +131,7 @@ def test_the_miniature_is_the_same_program_on_a_few_local_processes():
     assert miniature(_launch(dp=8, ep=1))["dp"] == 2
     assert miniature(_launch(dp=1, ep=3), experts=16)["ep"] == 2
     assert miniature(_launch(dp=1, ep=3), experts=9)["ep"] == 1
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Config
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
 
     assert TINY_EXPERTS == DeepSeekV3Config.preset("tiny").n_routed_experts  # the demo's default preset
 

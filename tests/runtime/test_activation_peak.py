@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mt_dualpipe.integrations.recompute import POLICIES, SavedActivationMeter
+from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter
 from mt_dualpipe.planner.estimate import activation_peak_bytes
 from mt_dualpipe.schedules.registry import build_schedule
 from tests.helpers.dist import run_ranks
@@ -20,9 +20,9 @@ MICRO_BATCHES = 4
 
 
 def _stages(kind: str, sched, rank: int, policy: str) -> list[torch.nn.Module]:
-    from mt_dualpipe.integrations.deepseek_v3 import DeepSeekV3Model, stages_for_rank
-    from mt_dualpipe.integrations.llama import LlamaForCausalLM
-    from mt_dualpipe.integrations.llama.stages import stages_for_rank as llama_for_rank
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Model, stages_for_rank
+    from mt_dualpipe.models.llama import LlamaForCausalLM
+    from mt_dualpipe.models.llama.stages import stages_for_rank as llama_for_rank
 
     torch.manual_seed(0)
     cfg = config(kind)
@@ -47,7 +47,7 @@ def _peaks_worker(rank: int, world: int, kind: str, schedules: tuple[str, ...]
 
 def _schedule_peaks(rank: int, world: int, kind: str, schedule: str) -> dict[str, tuple[int, int, int]]:
     from mt_dualpipe import Pipeline
-    from mt_dualpipe.integrations.deepseek_v3 import criterion_for
+    from mt_dualpipe.models.deepseek_v3 import criterion_for
 
     sched = build_schedule(schedule, world, MICRO_BATCHES)
     cfg = config(kind)
@@ -75,9 +75,9 @@ def _schedule_peaks(rank: int, world: int, kind: str, schedule: str) -> dict[str
 
 def _layer_ids(kind: str, num_stages: int) -> list[list[int]]:
     if kind == "deepseek":
-        from mt_dualpipe.integrations.deepseek_v3.stages import stage_layer_ids
+        from mt_dualpipe.models.deepseek_v3.stages import stage_layer_ids
     else:
-        from mt_dualpipe.integrations.llama.stages import stage_layer_ids
+        from mt_dualpipe.models.llama.stages import stage_layer_ids
     return stage_layer_ids(config(kind), num_stages)
 
 

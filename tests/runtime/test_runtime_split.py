@@ -204,7 +204,7 @@ def test_zb_h1_w_ops_run_the_deferred_gemms(zb_h1):
 
 
 def test_convert_to_fp8_converts_deferred_linears_and_keeps_skips():
-    from mt_dualpipe.integrations.fp8 import FP8Linear, convert_to_fp8
+    from mt_dualpipe.fp8 import FP8Linear, convert_to_fp8
 
     model = defer_weight_grads(nn.ModuleDict({"block": Block(), "head": nn.Linear(H, 4)}))
     weight = model["block"].fc1.weight

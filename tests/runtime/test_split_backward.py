@@ -101,8 +101,6 @@ def test_split_backward_first_stage_defers_everything():
 
 
 def test_fast_split_detection():
-    from mt_dualpipe.integrations import __name__ as _  # noqa: F401  (package importable)
-
     class Deferred(nn.Linear):
         supports_deferred_weight_grad = True
 

@@ -7,13 +7,13 @@
     sync_replicas(mods, group)                               # tied embeddings / mirrored stages, no Pipeline
     save_pipeline_checkpoint(mods, path)                     # every rank; one HF checkpoint
 
-Composed only of ``mt_dualpipe.layers``; no other family is imported. ``mt_dualpipe.integrations.llama``
+Composed only of ``mt_dualpipe.layers``; no other family is imported. ``mt_dualpipe.models.llama``
 re-exports these names for code written before the family moved here. FP8: ``build_stages(..., fp8=True)``
 or ``convert_to_fp8(model)``.
 """
 
-from ...integrations.hf_checkpoint import save_pipeline_checkpoint
 from ...layers.replicas import sync_replicas
+from ..hf_checkpoint import save_pipeline_checkpoint
 from .config import Llama3RopeScaling, LlamaConfig
 from .model import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, llama3_inv_freq
 from .stages import LlamaStage, build_stages, criterion_for, stage_layer_ids, stages_for_rank

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...integrations.hf_checkpoint import (
+from ..hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
     FP8_QUANTIZATION_CONFIG,
     build_loaded,

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ...integrations.hf_checkpoint import check_fp8_quantization
 from ...layers.rope import RopeSpec, supported_scaling
+from ..hf_checkpoint import check_fp8_quantization
 
 
 @dataclass(frozen=True)

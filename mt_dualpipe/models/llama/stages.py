@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...integrations.fp8 import convert_to_fp8
+from ...fp8 import convert_to_fp8
 from ...layers import deferred_init, lm_head
 from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
@@ -53,9 +53,9 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
     """The stage modules (all, or ``indices``): weights from ``source``, or read per stage from a Hugging
     Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``fp8`` converts the
     linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored). ``recompute``:
-    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``compile``: True
+    ``"none"``, ``"selective"`` or ``"full"`` (``models/recompute.py``). ``compile``: True
     (inductor) or a backend name compiles each layer's memory-bound parts, linears kept out of the
-    graph (``integrations/compile.py``)."""
+    graph (``models/compile.py``)."""
     ids = stage_layer_ids(config, num_stages, layout)
 
     def make(i: int) -> LlamaStage:

@@ -12,7 +12,7 @@ config), ``vision.py`` (tower, projector), ``text.py`` (Llama), ``inputs.py`` (b
 on stage 0), ``spec.py`` (the planner's description).
 """
 
-from ...integrations.hf_checkpoint import save_pipeline_checkpoint
+from ..hf_checkpoint import save_pipeline_checkpoint
 from .balance import balanced_layout
 from .checkpoint import KeyLayout
 from .config import MODEL_TYPE, LlavaConfig, TextConfig, VisionConfig

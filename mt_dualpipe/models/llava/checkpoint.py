@@ -12,7 +12,7 @@ whichever prefix the checkpoint uses, detected from its index (names only, no te
 - head: ``lm_head.`` (ours), ``language_model.lm_head.``.
 
 The mapping is a prefix swap, so a pipeline stage still reads exactly its own tensors through the shared
-lazy loader (``integrations/hf_checkpoint.py``).
+lazy loader (``models/hf_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...integrations.hf_checkpoint import (
+from ..hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     CheckpointError,
@@ -33,7 +33,7 @@ from ...integrations.hf_checkpoint import (
     prepare_tensors,
     save_tensors,
 )
-from ...integrations.hf_checkpoint import build_loaded as _build_loaded
+from ..hf_checkpoint import build_loaded as _build_loaded
 
 OURS = {"vision": "model.vision_tower.", "projector": "model.multi_modal_projector.",
         "text": "model.language_model.", "head": "lm_head."}

@@ -74,7 +74,7 @@ def build_stages(config: LlavaConfig, num_stages: int, layout: Sequence[int] | N
                  recompute: str = "none", compile: bool | str = False) -> list[LlavaStage]:
     """The stage modules (all, or ``indices``): weights copied from ``source``, read per stage from a
     Hugging Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``recompute``:
-    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``; the vision layers too).
+    ``"none"``, ``"selective"`` or ``"full"`` (``models/recompute.py``; the vision layers too).
     ``compile``: True (inductor) or a backend name compiles each text layer's memory-bound parts
     (``DecoderStage.compile_targets``; the vision tower stays eager: its image count changes per micro-batch)."""
     ids = stage_layer_ids(config, num_stages, layout)

@@ -1,6 +1,6 @@
 """The language model: a Llama decoder composed of ``mt_dualpipe.layers`` (transformers' ``LlamaModel`` names).
 
-Kept apart from ``integrations.llama`` on purpose: a family composes the shared layer and imports no
+Kept apart from ``models.llama`` on purpose: a family composes the shared layer and imports no
 other family, so the Llama here is the shared pieces (``GQAttention`` without q/k norm, ``SwiGLUMLP``,
 ``RMSNorm``, any ``RopeSpec`` incl. Llama-3 scaling) put together under ``language_model.*``.
 """

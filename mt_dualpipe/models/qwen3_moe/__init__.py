@@ -8,7 +8,7 @@
 Composed only of ``mt_dualpipe.layers``; no other family is imported.
 """
 
-from ...integrations.hf_checkpoint import save_pipeline_checkpoint
+from ..hf_checkpoint import save_pipeline_checkpoint
 from .config import MODEL_TYPE, Qwen3MoeConfig
 from .model import Qwen3MoeDecoderLayer, Qwen3MoeForCausalLM
 from .stages import Qwen3MoeStage, build_stages, criterion_for, stage_layer_ids, stages_for_rank

@@ -1,5 +1,5 @@
 """Qwen3-MoE weights from and to Hugging Face checkpoints through the shared lazy loader
-(``integrations/hf_checkpoint.py``): names are identical, so the mapping is the identity and a stage
+(``models/hf_checkpoint.py``): names are identical, so the mapping is the identity and a stage
 or an expert shard reads exactly its own tensors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...integrations.hf_checkpoint import (
+from ..hf_checkpoint import (
     DEFAULT_SHARD_BYTES,
     build_loaded,
     open_checkpoint,

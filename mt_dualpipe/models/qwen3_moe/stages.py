@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...integrations.fp8 import convert_to_fp8
+from ...fp8 import convert_to_fp8
 from ...layers import deferred_init, lm_head
 from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
@@ -52,7 +52,7 @@ def build_stages(config: Qwen3MoeConfig, num_stages: int, layout: Sequence[int] 
                  compile: bool | str = False, fp8: bool = False) -> list[Qwen3MoeStage]:
     """The stage modules (all, or ``indices``): weights copied from ``source``, read per stage from a
     Hugging Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``recompute``:
-    ``"none"``, ``"selective"`` or ``"full"`` (``integrations/recompute.py``). ``ep_group``: each MoE layer
+    ``"none"``, ``"selective"`` or ``"full"`` (``models/recompute.py``). ``ep_group``: each MoE layer
     holds (and reads) only this rank's experts. ``compile``: True (inductor) or a backend name compiles each
     layer's memory-bound parts (``DecoderStage.compile_targets``), linears kept out of the graph. ``fp8``
     converts the linears (attention, dense and expert SwiGLUs; not the router or the head) to ``FP8Linear``

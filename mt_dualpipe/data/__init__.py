@@ -1,0 +1,1 @@
+"""Training data: text corpora tokenised and cut into model batches (``text``)."""

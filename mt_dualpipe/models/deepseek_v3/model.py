@@ -1,0 +1,273 @@
+"""The whole DeepSeek-V3 model in one module: the single-process reference the pipeline must match.
+
+Stages (``stages.py``) are built from the same ``Block`` / ``MTPModule`` classes and copy weights
+from this model by state-dict key, so a stage's parameter names are a subset of these.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ...layers.common import deferred_init
+from ...layers.head import step_normalizer
+from ..hf_checkpoint import DEFAULT_SHARD_BYTES
+from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
+from .config import DeepSeekV3Config
+from .mla import MLA, RMSNorm
+from .moe import MLP, Gate, MoE
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: MLA attention, then a dense SwiGLU FFN or DeepSeekMoE."""
+
+    def __init__(self, layer_id: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        norm = config.saves("norm")
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.attn = MLA(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else \
+            MLP(config.dim, config.inter_dim, config.saves("swiglu"))
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoE)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x))  # "selective" recomputes MLA.attend (mla.py) in backward
+
+    def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
+        """``(module, method, tag)`` recomputed under ``policy`` (``models.recompute``): "selective"
+        MLA from its latents; "full" the whole dense block, or a MoE block's attention sublayer and each
+        expert (never the router or the dispatch/combine all-to-alls)."""
+        if policy == "selective":
+            yield self.attn, "attend", "latent_attention"
+        elif policy == "full" and not isinstance(self.ffn, MoE):
+            yield self, "forward", "block"
+        elif policy == "full":
+            yield self, "attention", "attention"
+            for expert in self.ffn.experts.values():
+                yield expert, "forward", "expert"
+            if self.ffn.shared_experts is not None:
+                yield self.ffn.shared_experts, "forward", "shared_expert"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth: h'_i = W[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)] -> one block.
+
+    The released convention (the checkpoint's ``eh_proj``, transformers' ``MtpLayer``, vLLM,
+    Megatron): the *embedding* half comes first in the concatenation, and ``h`` is the previous
+    depth's output *after* its final norm (the main model's ``norm(h)`` for depth 1, this module's
+    ``norm`` output for the next depth) — the same tensor the shared output head sees. The embedding
+    and output head are the main model's (passed in, not owned); only the two norms, the projection
+    (``eh_proj``), the block and the head's input norm (``shared_head.norm``) belong to this module.
+    """
+
+    def __init__(self, depth: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        norm = config.saves("norm")
+        self.hnorm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.enorm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.block = Block(config.n_layers + depth - 1, config, ep_group)
+        self.norm = RMSNorm(config.dim, config.norm_eps, norm)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
+
+
+def _ce(logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
+    """float32 cross-entropy, -100 targets masked: the mean, or the sum over ``normalizer``."""
+    if normalizer is None:
+        return F.cross_entropy(logits.float(), target)
+    return F.cross_entropy(logits.float(), target, reduction="sum") / normalizer
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """``_ce`` keeping the logits as given (the ``"loss"`` saver): eager autograd keeps the float32
+    log-softmax (vocab × 4 bytes per token); B rebuilds it from the logits and differentiates the same
+    ops, so the gradient is bit-equal."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
+        ctx.save_for_backward(logits, target)
+        ctx.normalizer = normalizer
+        return _ce(logits, target, normalizer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, target = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            loss = _ce(leaf, target, ctx.normalizer)
+        return torch.autograd.grad(loss, leaf, grad)[0], None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
+                  normalizer: float | None = None) -> torch.Tensor:
+    """Next-token loss in float32 (mean, or sum over ``normalizer``); ``keep_logits``: through
+    ``_CrossEntropy`` (the ``"loss"`` saver)."""
+    if keep_logits and torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, target, normalizer)
+    return _ce(logits, target, normalizer)
+
+
+def step_normalizers(labels: torch.Tensor, mtp_depth: int, group: dist.ProcessGroup | None = None,
+                     replicas: int = 1) -> tuple[float, ...]:
+    """The valid-target counts that make a step's micro-batch losses sum to its token means: the main
+    loss's (every label) and each MTP depth k's (``labels[:, k:]``, the targets depth k predicts), over
+    the step's ``labels`` (and ``group``'s; ``replicas`` as in ``layers.step_normalizer``)."""
+    return tuple(step_normalizer(labels[:, k:], group=group, replicas=replicas) for k in range(mtp_depth + 1))
+
+
+class LossParts(NamedTuple):
+    total: torch.Tensor  # main + λ/D · Σ_k mtp_k  (the balance loss enters through its gradient)
+    main: torch.Tensor
+    mtp: list[torch.Tensor]
+
+
+def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Embedding, norm: nn.Module,
+                          head: nn.Linear, mtp: nn.ModuleList, config: DeepSeekV3Config,
+                          normalizer: Sequence[float] | None = None) -> LossParts:
+    """Next-token loss on h plus the MTP losses; ``labels[:, i]`` is token i+1.
+
+    ``normalizer`` None: each loss is the mean over this call's targets. Otherwise one count per loss
+    (main, then depth 1..D: ``step_normalizers``), each loss the sum over its count, so the
+    micro-batches of a step add up to the step's token means (masked targets spread unevenly).
+
+    Depth k sees positions 0..T-k-1: it combines h^{k-1}_i with Emb(t_{i+k}) = Emb(labels[:, i+k-1])
+    and predicts t_{i+k+1} = labels[:, i+k]. h^0 is the main model's normed output ``norm(h)`` and
+    h^k the normed output of depth k (see ``MTPModule``).
+    """
+    seq = labels.size(1)
+    if len(mtp) >= seq:
+        raise ValueError(f"sequence length {seq} must exceed the MTP depth {len(mtp)}")
+    keep = config.saves("loss")
+    if normalizer is not None and len(normalizer) != len(mtp) + 1:
+        raise ValueError(f"normalizer needs {len(mtp) + 1} counts (main loss and {len(mtp)} MTP depths: "
+                         f"step_normalizers(labels, {len(mtp)})), got {len(normalizer)}")
+    counts = list(normalizer) if normalizer is not None else [None] * (len(mtp) + 1)
+    # MTP embeds the next tokens, which the last stage knows only as labels; a masked (-100) label's token
+    # is unknown here and is embedded as token 0 (its own loss is masked; only the prediction right
+    # after it sees the stand-in)
+    tokens = labels.clamp(min=0) if mtp else labels
+    prev = norm(h)
+    logits = head(prev)
+    main = cross_entropy(logits.flatten(0, 1), labels.flatten(), keep, counts[0])
+    mtp_losses = []
+    for k, module in enumerate(mtp, start=1):
+        n = seq - k
+        prev = module.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n])))
+        logits_k = head(prev)
+        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), labels[:, k:k + n].flatten(), keep, counts[k]))
+    total = main
+    if mtp_losses:
+        total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()
+    return LossParts(total, main, mtp_losses)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """Normal(0, std) for every projection, embedding and gate (report §4.2); norms stay at one."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
+            nn.init.normal_(m.weight, 0.0, std)
+
+
+class DeepSeekV3Model(nn.Module):
+    """Embedding, ``n_layers`` blocks (the first ``n_dense_layers`` dense), final norm, head, MTP."""
+
+    def __init__(self, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        with deferred_init():
+            self.embed = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in range(config.n_layers)})
+            self.norm = RMSNorm(config.dim, config.norm_eps, config.saves("norm"))
+            self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+            self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+        init_weights(self, config.init_std)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.layers.values():
+            h = block(h)
+        return h
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) without labels; the training loss (main + MTP) with them."""
+        h = self.hidden(tokens)
+        if labels is None:
+            return self.head(self.norm(h))
+        return self.losses(h, labels).total
+
+    def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
+        return language_model_losses(h, labels, embed=self.embed, norm=self.norm, head=self.head, mtp=self.mtp,
+                                     config=self.config)
+
+    def mtp_logits(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Logits of each MTP depth k for positions 0..T-k-1, given ``next_tokens[:, i] = t_{i+1}``
+        (inference-style; the training losses use the same chain)."""
+        prev = self.norm(self.hidden(tokens))
+        out = []
+        for k, module in enumerate(self.mtp, start=1):
+            n = tokens.size(1) - k
+            prev = module.norm(module(prev[:, :n], self.embed(next_tokens[:, k - 1:k - 1 + n])))
+            out.append(self.head(prev))
+        return out
+
+    # ----- Hugging Face checkpoints -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
+                        device: torch.device | str = "cpu", ep_group: dist.ProcessGroup | None = None,
+                        fp8: bool = False, **overrides: Any) -> DeepSeekV3Model:
+        """A model from a Hugging Face checkpoint folder (``config.json``, safetensors shards and index):
+        bf16, fp32 or FP8 (``weight_scale_inv``, dequantised to ``dtype``). ``overrides`` replace config
+        fields (e.g. ``mtp_depth=0`` for a transformers-saved checkpoint without the MTP layer). With
+        ``ep_group`` only this rank's experts are read. ``fp8``: the linears become ``FP8Linear`` (as
+        ``convert_to_fp8``) and an FP8 checkpoint's E4M3 weights and scales are used as stored."""
+        ckpt = open_checkpoint(path)
+        config = DeepSeekV3Config.from_hf(ckpt.config(), **overrides)
+        return build_loaded(lambda: cls(config, ep_group), ckpt, config, dtype=dtype, device=device, fp8=fp8)
+
+    def save_pretrained(self, path: str | os.PathLike, *, dtype: torch.dtype | None = None, fp8: bool = False,
+                        max_shard_size: int | None = None) -> Path:
+        """Write the Hugging Face layout: ``config.json``, ``model-0000i-of-0000N.safetensors`` shards of at
+        most ``max_shard_size`` bytes (default 2 GiB) and ``model.safetensors.index.json``, with the
+        official tensor names (the MTP module as layer ``n_layers``). ``dtype`` casts (the router stays
+        float32); ``fp8`` stores the projections as E4M3 with 128×128 block ``weight_scale_inv``."""
+        return save_weights(self, self.config, path, dtype=dtype, fp8=fp8,
+                            max_shard_size=max_shard_size or DEFAULT_SHARD_BYTES)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under their checkpoint names (what ``save_pretrained`` writes, before any cast)."""
+        return hf_state_dict(self, self.config)
+
+    def num_parameters(self, part: str = "main") -> int:
+        """``"main"``: everything but the MTP modules; ``"mtp"``: the MTP modules' own parameters."""
+        if part not in ("main", "mtp"):
+            raise ValueError(f"part must be 'main' or 'mtp', got {part!r}")
+        mtp = sum(p.numel() for p in self.mtp.parameters())
+        return mtp if part == "mtp" else sum(p.numel() for p in self.parameters()) - mtp
+
+
+def expert_load_names(config: DeepSeekV3Config) -> list[str]:
+    """The routed-token count buffer (``gate.load``) of every MoE layer of the full model, main blocks then
+    MTP blocks: the names every stage shares with ``DeepSeekV3Model``, so ranks holding different stages
+    can lay their counts out in one agreed order (``stages.sync_expert_load``)."""
+    names = [f"layers.{i}.ffn.gate.load" for i in range(config.n_layers) if config.is_moe_layer(i)]
+    names += [f"mtp.{k - 1}.block.ffn.gate.load" for k in range(1, config.mtp_depth + 1)
+              if config.is_moe_layer(config.n_layers + k - 1)]
+    return names
