@@ -11,6 +11,8 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3_repro.py --schedule zbv
     python examples/deepseek_v3_repro.py --pp 2 --ep 2          # + expert parallelism: 4 processes
     python examples/deepseek_v3_repro.py --pp 2 --dp 2 --ep 2 --dp-mode zero1   # DeepSeek-V3's layout, 8 processes
+    python examples/deepseek_v3_repro.py --pp 8 --layers 14 --schedule zbv --vocab-size 128 --micro-batch-size 1 \
+        --seq-len 16 --steps 20        # pp 8 in miniature: a block on each of ZB-V's 16 stages, about a minute
 
 It spawns ``--pp`` x ``--dp`` x ``--ep`` processes itself (gloo on 127.0.0.1), or runs as one of them
 under torchrun, on one ``mt_dualpipe.parallel.init_parallel(pp, dp, ep)`` mesh (pp outermost).
@@ -26,6 +28,11 @@ checkpoint, ``--from-pretrained``), keeps only its stages, and trains with AdamW
 or on local text (``--corpus FILES|DIR``: streamed, packed into sequences, every ``--val-every``-th
 held out; UTF-8 bytes or ``--tokenizer tokenizer.json``). The default layout balances a modelled
 cost per rank, then per stage (embedding, head, MTP and losses included); it is printed per stage.
+A deeper pipeline needs a deeper model: ``--layers N`` sets the preset's block count, and a run whose
+cut would leave a stage between the first (embedding) and the last (head, MTP, losses) without a block
+is refused before any process starts, naming the stage, the model's layer count, the deepest pp it
+fills and the ``--layers`` that fills this one (``mt_dualpipe.planner.stage_fill``; the tiny preset's
+4 layers fill DualPipe up to pp 6 and ZB-V / DualPipeV, two stages per rank, up to pp 3).
 Every step runs under
 ``mt_dualpipe.resilience.Rewind``: a NaN/inf or an exception on any rank is agreed on by all ranks,
 which go back to the last snapshot (every ``--snapshot-every`` steps) and skip the batch. Every
@@ -112,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, default 64")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, default 3e-3")
     p.add_argument("--preset", default="tiny", help="model preset, default tiny")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="transformer blocks of the model (the preset's n_layers; tiny: 4). Every stage between the\n"
+                        "first and the last needs one: DualPipe at pp 8 takes 6 or more, ZB-V and DualPipeV at\n"
+                        "pp 8 take 14 (a run that would leave a stage empty says how many it needs)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="vocabulary of the synthetic task (the preset's vocab_size; tiny: 1024). A small one (128)\n"
+                        "lets a deep, narrow run's loss fall within a few steps of a few tokens each")
     p.add_argument("--layout", default=None,
                    help="stage layout, e.g. 'Et*2|t*2mL' (default: balanced by modelled cost per rank, then stage)")
     p.add_argument("--corpus", nargs="+", default=None, metavar="FILE|DIR",
@@ -212,11 +226,17 @@ def check_mesh_args(args: argparse.Namespace, error) -> None:
               f"the other weights over dp x ep, which one fully_shard mesh cannot express; use {able}")
     if args.virtual_stages is not None and args.schedule != "interleaved-1f1b":
         error(f"--virtual-stages is an option of interleaved-1f1b, not of {args.schedule!r}")
+    if args.from_pretrained and (args.layers, args.vocab_size) != (None, None):
+        error("--layers and --vocab-size set a preset's shape; --from-pretrained takes the checkpoint's (its "
+              "config.json)")
+    if args.corpus and args.vocab_size is not None:
+        error("--vocab-size sets the synthetic task's vocabulary; with --corpus it is the tokenizer's (bytes: 256)")
     if not args.from_pretrained:  # a checkpoint's expert count is checked when its stages are built
         try:
-            experts = DeepSeekV3Config.preset(args.preset).n_routed_experts
+            experts = DeepSeekV3Config.preset(args.preset, **preset_overrides(args)).n_routed_experts
         except ValueError as exc:
-            error(str(exc))
+            flags = {"n_layers": "--layers", "vocab_size": "--vocab-size"}
+            error(str(exc) + "".join(f" ({flags[k]} sets {k})" for k in preset_overrides(args) if k in str(exc)))
         if experts % args.ep:
             error(f"--ep {args.ep} does not divide the {experts} routed experts of the {args.preset!r} preset: "
                   f"use an --ep that divides {experts}")
@@ -234,6 +254,12 @@ def check_mesh_args(args: argparse.Namespace, error) -> None:
         error(f"--micro-batch-size {args.micro_batch_size} disagrees with --global-batch {args.global_batch} = "
               f"{args.replicas} replicas x {mbs} micro-batches x {args.global_batch // share}; give one of them")
     args.micro_batch_size = args.global_batch // share
+
+
+def preset_overrides(args: argparse.Namespace) -> dict:
+    """The preset fields the command line sets (``--layers``: ``n_layers``, ``--vocab-size``: ``vocab_size``)."""
+    given = {"n_layers": args.layers, "vocab_size": args.vocab_size}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def default_microbatches(schedule: str, pp: int) -> int:
@@ -382,7 +408,7 @@ def model_config(args: argparse.Namespace, tokenizer: Any) -> DeepSeekV3Config:
             raise SystemExit(f"--seq-len {args.seq_len} exceeds the checkpoint's max_position_embeddings "
                              f"{config.max_seq_len}")
         return config
-    config = DeepSeekV3Config.preset(args.preset, max_seq_len=max(args.seq_len, 64))
+    config = DeepSeekV3Config.preset(args.preset, max_seq_len=max(args.seq_len, 64), **preset_overrides(args))
     if tokenizer is not None:
         config = config.replace(vocab_size=tokenizer.vocab_size if args.tokenizer else max(config.vocab_size, 256))
     return config
@@ -395,6 +421,77 @@ def stage_split(config: DeepSeekV3Config, schedule: Any, layout: str | None, seq
         return balance(config, schedule.placement, seq_len)
     counts = parse_layout(config, schedule.num_stages(0), layout)
     return layout_cost(piece_costs(config, seq_len), counts, stage_weights(schedule.placement))
+
+
+def depth_problem(args: argparse.Namespace) -> str | None:
+    """Why the model's layers cannot fill this pipeline, or None when they do: a stage between the first
+    (embedding) and the last (head, MTP, losses) that the layout (``--layout``, or the balanced cut the
+    ranks will build) leaves without a block, or with ``--recompute`` an embedding-only first stage (the
+    stages recompute per stage, and one with no block has nothing to recompute: ``apply_recompute``
+    refuses it). The runtime would run an empty stage as a pass-through, but it trains nothing on a
+    rank the user asked to fill (and the expert-load sync needs weights on a rank's first stage), so the
+    run is refused here, once, before any process starts, naming the stages, the model's layer count,
+    the deepest pp it fills and what to pass (``mt_dualpipe.planner.stage_fill``)."""
+    from mt_dualpipe.planner.stage_fill import empty_stages, placement_of
+
+    config = model_config(args, load_tokenizer(args.tokenizer) if args.corpus else None)
+    options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
+    placement = placement_of(args.schedule, args.pp, options)
+    if placement is None:  # a schedule that cannot run here: its own message, once
+        from mt_dualpipe.schedules.errors import ScheduleError
+        from mt_dualpipe.schedules.registry import build_schedule
+
+        try:
+            build_schedule(args.schedule, args.pp, args.microbatches or default_microbatches(args.schedule, args.pp),
+                           **options)
+        except ScheduleError as exc:
+            return f"--schedule {args.schedule} at --pp {args.pp}: {exc}"
+        return None
+    n = len(placement[0])
+    try:
+        counts = parse_layout(config, n, args.layout) if args.layout else list(balance(config, placement,
+                                                                                       args.seq_len).counts)
+    except ValueError as exc:
+        return f"--layout: {exc}"
+    first = args.recompute != "none"
+    empty = empty_stages(counts, first)
+    return unfilled_message(args, config, placement, counts, empty, first) if empty else None
+
+
+def unfilled_message(args: argparse.Namespace, config: DeepSeekV3Config, placement: Any, counts: list[int],
+                     empty: list[int], first: bool) -> str:
+    """``depth_problem``'s message: the stages left without a block, why that is refused, the model's layer
+    count, and what to pass (a fuller ``--layout``; or ``--layers`` and the deepest pp the layers fill)."""
+    from mt_dualpipe.planner import ModelSpec
+    from mt_dualpipe.planner.stage_fill import deepest_filled_pp, layers_to_fill
+
+    n, layers = len(counts), config.n_layers
+    model = (f"The checkpoint {args.from_pretrained}" if args.from_pretrained else f"The {args.preset!r} preset"
+             + (f" (--layers {args.layers})" if args.layers is not None else ""))
+    named = ", ".join(map(str, empty[:8])) + (f" ... ({len(empty)} of {n})" if len(empty) > 8 else "")
+    where = (f"--layout {args.layout}" if args.layout else f"its balanced cut {layout_string(config, n, counts)}")
+    why = ["a stage between the first (embedding) and the last (head, MTP, losses) holds no parameter without one"
+           ] if empty != [0] else []
+    if 0 in empty:
+        why.append(f"--recompute {args.recompute} needs one on the first stage too (an embedding-only stage has "
+                   "nothing to recompute)")
+    head = (f"--pp {args.pp} runs {args.schedule} on {n} stages per chain; {where} leaves stage"
+            f"{'s' if len(empty) > 1 else ''} {named} without a layer, and {'; '.join(why)}. {model} has {layers} "
+            "layers")
+    if args.layout:
+        blocks = n - 1 if first else n - 2  # one per stage but the last (and the first without recompute)
+        more = f" and --layers {blocks} or more" if layers < blocks else ""
+        return f"{head}. Pass a --layout with a block ('t') in each of stages {0 if first else 1}..{n - 2}{more}"
+    options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
+    deepest = deepest_filled_pp(ModelSpec.from_deepseek_config(config), args.schedule, args.seq_len, args.pp, options,
+                                first)
+    need = None if args.from_pretrained else layers_to_fill(
+        lambda k: ModelSpec.from_deepseek_config(config.replace(n_layers=k)), placement, args.seq_len,
+        least=layers + 1, first=first)
+    fixes = [f"--layers {need} (the fewest that fill pp {args.pp})"] if need is not None else []
+    fixes += [f"--pp {deepest}"] if deepest else []
+    return (f"{head}; the deepest pp they fill under {args.schedule} is {deepest or 'none'}. Pass "
+            + " or ".join(fixes or ["a deeper model"]))
 
 
 def split_line(config: DeepSeekV3Config, split: LayoutCost) -> str:
@@ -719,8 +816,8 @@ def report(summary: dict) -> None:
 
     mesh = "".join(f" x {k} {summary[k]}" for k in ("dp", "ep") if summary[k] > 1)
     mode = f" ({summary['dp_mode']})" if mesh and summary["dp_mode"] != "allreduce" else ""
-    t = Table(title=f"DeepSeek-V3 ({summary['preset']}) · {summary['schedule']} on {summary['pp']}{mesh} CPU "
-                    f"ranks{mode}")
+    t = Table(title=f"DeepSeek-V3 ({summary['preset']}, {summary['config']['n_layers']} layers) · "
+                    f"{summary['schedule']} on {summary['pp']}{mesh} CPU ranks{mode}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     first = f"step {summary['first_step']}" if summary["first_step"] else "first"
@@ -865,6 +962,9 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = depth_problem(args)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: we are one of the ranks
         run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")  # parse_args set --pp
         return 0

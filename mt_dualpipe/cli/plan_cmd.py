@@ -74,6 +74,12 @@ def register(subparsers) -> None:
                    "layouts (a few seconds each)")
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
+    p.add_argument("--keep-pp", action="store_true",
+                   help="print the miniature (the demo's command for the best runnable layout) at that layout's own "
+                        "pp, one local process per pipeline rank, the tiny DeepSeek-V3 given the fewest --layers "
+                        "that put a block on every stage, at small sizes (--vocab-size 128 --seq-len 16 "
+                        "--micro-batch-size 1 --steps 20: pp 16 takes about 4 minutes on 2 cores); default: pp 2, "
+                        "at most 4 processes, the demo's own sizes")
     p.add_argument("--memory-savers", default="auto",
                    help="DeepSeek-V3's activation savers to count, as the runtime's DeepSeekV3Config.memory_savers: "
                         "'auto' (default: none, or all of them when nothing fits without them on a model whose "
@@ -137,31 +143,34 @@ def strategy_options(path: str | None) -> dict:
     return out
 
 
-def with_commands(data: dict) -> dict:
+def with_commands(data: dict, keep_pp: bool = False) -> dict:
     """The plan's JSON with ``"command"`` next to every configuration's ``"launch"``: the demo's command line
-    for a runnable one (``planner.runnable.demo_command``), None for one the runtime cannot launch."""
+    for a runnable one (``planner.runnable.demo_command``), None for one the runtime cannot launch; and
+    ``"miniature"``, the command of its miniature (at its own pp with ``keep_pp``)."""
     entries = data["configurations"] + data["over_memory"] + ([data["reference"]] if data.get("reference") else [])
     for entry in entries:
         entry["command"] = demo_command(entry["launch"]) if entry["runnable"] else None
-        entry["miniature"] = demo_command(miniature(entry["launch"])) if entry["runnable"] else None
+        entry["miniature"] = demo_command(miniature(entry["launch"], keep_pp=keep_pp)) if entry["runnable"] else None
     return data
 
 
-def best_command(result) -> str | None:
+def best_command(result, keep_pp: bool = False) -> str | None:
     """The fastest runnable configuration that fits, as a line: its launch tuple and the demo's command for its
-    miniature (``runnable.miniature``: the same program on the tiny DeepSeek-V3 and a few local processes)."""
+    miniature (``runnable.miniature``: the same program on the tiny DeepSeek-V3 and a few local processes, or
+    with ``keep_pp`` one process per pipeline rank of the layout, the model deepened to fill its stages)."""
     for est in result.ranked:
         if not est.runnable:
             continue
         full = launch(est.strategy, result.memory_savers)
-        small = miniature(full)
+        small = miniature(full, keep_pp=keep_pp)
         command = demo_command(small)
         if command is None:
             return None
+        layers = f", {small['layers']} layers" if small.get("layers") else ""
         return (f"the best runnable layout launches as pp {full['pp']} x dp {full['dp']} x ep {full['ep']} "
                 f"({full['schedule']}, {full['dp_mode']}, recompute {full['recompute']}, {full['microbatches']} "
-                f"micro-batches of {full['micro_batch_size']}); the same program in miniature (tiny DeepSeek-V3, "
-                f"pp {small['pp']} x dp {small['dp']} x ep {small['ep']} local gloo processes):\n  {command}")
+                f"micro-batches of {full['micro_batch_size']}); the same program in miniature (tiny DeepSeek-V3"
+                f"{layers}, pp {small['pp']} x dp {small['dp']} x ep {small['ep']} local gloo processes):\n  {command}")
     return None
 
 
@@ -213,11 +222,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if note:
         print(note)
     print_plan(result, args.top)
-    command = best_command(result)
+    command = best_command(result, args.keep_pp)
     if command:
         print(command)
     if args.json_path:
         with open(args.json_path, "w") as fh:
-            json.dump(with_commands(result.to_dict(max(args.top, 20))), fh, indent=2)
+            json.dump(with_commands(result.to_dict(max(args.top, 20)), args.keep_pp), fh, indent=2)
             fh.write("\n")
     return 0 if result.ranked else 1

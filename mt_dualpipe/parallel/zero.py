@@ -170,7 +170,9 @@ class PipelineOptimizer:
     of each kind is sharded over that kind's own group. Every other parameter (allreduce, fsdp,
     or nothing to reduce) goes to one plain optimizer built by ``factory``. ``ties``: the
     ``TiedSync`` objects; after each step their other local copies are set equal to the
-    representative, so a tied weight is stepped once and its copies never drift.
+    representative, so a tied weight is stepped once and its copies never drift. A rank whose stages
+    hold no trainable parameter (``runtime/data_parallel.py``: pass-through stages) gets one that
+    steps nothing, so one training loop runs on every rank.
 
     ``state_dict()`` has ``get_optimizer_state_dict``'s structure with parameters named by the
     pipeline's names (``stage<s>.<fqn>``, ``tied.<fqn>``); ZeRO-1 state is ``Shard(0)`` DTensors
@@ -201,9 +203,8 @@ class PipelineOptimizer:
         # a torch optimizer numbers its state in param_groups order, whatever order it was given
         self.plain_names = ([by_id[id(p)] for g in self.plain.param_groups for p in g["params"]]
                             if self.plain is not None else [])
+        # none at all on a rank whose stages hold nothing trainable (pass-through stages): it steps nothing
         self.optimizers = [z.optimizer for z in self.zero] + ([self.plain] if self.plain is not None else [])
-        if not self.optimizers:
-            raise ValueError("the pipeline has no trainable parameter on this rank to optimize")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

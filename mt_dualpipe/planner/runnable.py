@@ -17,17 +17,25 @@ the mesh counts full-model replicas, so ``launch["dp"] = strategy.dp // strategy
 ``pp * dp * ep * tp`` is the GPU count (``parallel/mesh.py`` explains both conventions).
 
 ``demo_command(launch)`` turns that tuple into a command line for ``examples/deepseek_v3_repro.py``
-(``--pp --dp --ep --dp-mode --schedule --microbatches --recompute``): the planned layout in
-miniature, the tiny DeepSeek-V3 preset on local gloo processes (``mt-dualpipe plan`` prints it for
-the best runnable row and puts it in the JSON). Tensor parallelism is refused for MoE models: the
-runtime's tensor-parallel stages are dense ones (the DeepSeek-V3 stages shard experts over ep only).
+(``--pp --dp --ep --dp-mode --schedule --microbatches --recompute``, and a deep miniature's
+``--layers --vocab-size --seq-len --steps``): the planned layout in miniature, the tiny DeepSeek-V3
+preset on local gloo processes (``mt-dualpipe plan`` prints it for the best runnable row and puts it
+in the JSON). The miniature runs at pp 2 by default; ``miniature(..., keep_pp=True)`` keeps the
+plan's pp, one process per pipeline rank, at small sizes, with the tiny preset deepened to the
+fewest layers whose balanced cut gives every stage a block (``stage_fill.layers_to_fill``: 4 layers
+cannot fill DualPipe's 8 stages; with a recompute policy the first stage needs one too).
+Tensor parallelism is refused for MoE models: the runtime's tensor-parallel stages are dense ones
+(the DeepSeek-V3 stages shard experts over ep only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
+from .model import ModelSpec
+from .stage_fill import layers_to_fill, placement_of, runs_at
 from .strategy import Strategy, schedule_options
 
 RUNTIME_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
@@ -97,6 +105,9 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
     words += ["--recompute", launch["recompute"]]
     if virtual is not None:
         words += ["--virtual-stages", virtual]
+    for key in ("layers", "vocab_size", "seq_len", "steps"):  # a miniature's sizes (``miniature(keep_pp=True)``)
+        if launch.get(key):
+            words += [f"--{key.replace('_', '-')}", launch[key]]
     if launch.get("micro_batch_size"):
         words += ["--micro-batch-size", launch["micro_batch_size"]]
     if launch.get("core_attention", "eager") != "eager":
@@ -108,22 +119,56 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
 
 MINIATURE_PROCESSES = 4
 """Local processes a miniature takes at most (``miniature``): what a laptop runs in a minute."""
-TINY_EXPERTS = 16
-"""Routed experts of the demo's ``tiny`` DeepSeek-V3 preset (``DeepSeekV3Config.preset("tiny")``, which the planner
-cannot import without torch; a test holds the two equal)."""
+TINY_DEEPSEEK: dict[str, int] = dict(
+    vocab_size=1024, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=4, n_dense_layers=1, n_heads=4,
+    n_routed_experts=16, n_shared_experts=1, n_activated_experts=4, q_lora_rank=64, kv_lora_rank=32,
+    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, mtp_depth=1)
+"""The shape of the demo's ``tiny`` DeepSeek-V3 preset (``DeepSeekV3Config.preset("tiny")``, which the planner
+cannot import without torch; a test holds the two equal): what the miniature's stage cut is modelled on."""
+TINY_EXPERTS = TINY_DEEPSEEK["n_routed_experts"]
+"""Routed experts of the tiny preset: the miniature's ep divides them."""
+DEEP_MINIATURE: dict[str, int] = {"micro_batch_size": 1, "seq_len": 16, "vocab_size": 128, "steps": 20}
+"""The demo's sizes for a miniature at the plan's own pp (``miniature(keep_pp=True)``): one 16-token sequence per
+micro-batch over a 128-token vocabulary, 20 steps, 2 x pp micro-batches where the schedule takes that many, so
+that 16 processes on 2 cores finish in minutes with the loss falling (the README's pp 8 and pp 16 figures were
+measured at these sizes)."""
 
 
-def miniature(launch: dict, experts: int = TINY_EXPERTS) -> dict:
+def tiny_spec(layers: int, vocab_size: int | None = None) -> ModelSpec:
+    """The tiny preset with ``layers`` blocks (and ``vocab_size``), as the planner models it
+    (``ModelSpec.from_deepseek_config``)."""
+    shape = {**TINY_DEEPSEEK, "n_layers": layers, "vocab_size": vocab_size or TINY_DEEPSEEK["vocab_size"]}
+    return ModelSpec.from_deepseek_config(SimpleNamespace(**shape))
+
+
+def miniature(launch: dict, experts: int = TINY_EXPERTS, keep_pp: bool = False) -> dict:
     """``launch`` shrunk to the demo's tiny DeepSeek-V3 on local processes: the same schedule, schedule options,
     data-parallel mode, recompute policy, core attention and savers, on pp 2 and at most ``MINIATURE_PROCESSES``
-    ranks (ep: the largest divisor of the preset's ``experts`` up to the plan's ep and what pp 2 leaves; dp: what
+    ranks (ep: the largest divisor of the preset's ``experts`` up to the plan's ep and what pp leaves; dp: what
     is left), with the demo's own micro-batch count and size. What the plan's layout means at scale is the
-    launch tuple; this is the same program at a size that runs here."""
-    pp = 2
-    room = MINIATURE_PROCESSES // pp
+    launch tuple; this is the same program at a size that runs here.
+
+    ``keep_pp``: at the plan's own pp instead (dp and ep 1 once pp reaches ``MINIATURE_PROCESSES``), at the
+    sizes of ``DEEP_MINIATURE`` and 2 x pp micro-batches (the fewest ZB-V, DualPipe and DualPipeV take), the
+    preset deepened (``"layers"``) to the fewest blocks whose balanced cut at those sizes gives every stage one
+    (``stage_fill.layers_to_fill``, the first stage included under a recompute policy); the preset's own depth
+    where it already does."""
+    pp = launch["pp"] if keep_pp else 2
+    room = max(1, MINIATURE_PROCESSES // pp)
     ep = max(d for d in range(1, min(launch["ep"], room) + 1) if experts % d == 0)
     dp = max(1, min(launch["dp"], room // ep))
-    return {**launch, "pp": pp, "dp": dp, "ep": ep, "microbatches": None, "micro_batch_size": None}
+    out = {**launch, "pp": pp, "dp": dp, "ep": ep, "microbatches": None, "micro_batch_size": None, "layers": None}
+    if keep_pp:
+        out.update(DEEP_MINIATURE)
+        if runs_at(launch["schedule"], pp, launch.get("schedule_options"), 2 * pp):
+            out["microbatches"] = 2 * pp
+        placement = placement_of(launch["schedule"], pp, launch.get("schedule_options"))
+        if placement is not None:
+            layers = layers_to_fill(lambda k: tiny_spec(k, DEEP_MINIATURE["vocab_size"]), placement,
+                                    DEEP_MINIATURE["seq_len"], least=TINY_DEEPSEEK["n_layers"],
+                                    first=launch["recompute"] != "none")
+            out["layers"] = layers if layers != TINY_DEEPSEEK["n_layers"] else None
+    return out
 
 
 def unrunnable_reasons(strategy: Strategy, tied: bool = False) -> list[str]:

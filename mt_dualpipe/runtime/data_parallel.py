@@ -14,6 +14,14 @@ the collective overlaps the rest of the pipeline's drain. What reduces and how i
   (unsharded for the step, reduce-scattered after the last W). Every one of them is a
   ``parallel.stage_sync.StageGradSync``: the executor, the optimizer and resilience ask only that.
 
+A stage without a trainable parameter (no parameters at all, say a slicing head, or only frozen
+ones) has nothing to reduce, in any mode: it gets no ``GradSync`` (nor needs ``fully_shard``), and
+its ``REDUCE_GRAD`` runs an empty ``StageSync``; it runs as a pass-through of the gradient syncs,
+so a mesh never refuses what the same pipeline without one runs. Refusing it instead would need
+the model's facts (how many layers could fill the stages), which the runtime does not have: a
+model's stage builder or launcher says that (``examples/deepseek_v3_repro.py`` refuses a stage
+its layer count leaves empty, naming the deepest pipeline it fills).
+
 Why not ``DistributedDataParallel``: its reducer is driven by autograd hooks, which a deferred W
 (gradients written after B, outside that backward) does not go through in DDP's order, and it
 reduces once per backward, i.e. per micro-batch and before W — wrong gradients, no error. Such
@@ -97,6 +105,8 @@ def _check_supported(module: nn.Module, dp_mode: str, where: str) -> None:
     from torch.distributed.fsdp import FSDPModule  # lazy: FSDP and DTensor load ~0.8 s; only with a mesh
     from torch.distributed.tensor import DTensor
 
+    if not any(p.requires_grad for p in module.parameters()):
+        return  # nothing to reduce in any mode (a parameterless or frozen stage): no sync, no fully_shard needed
     tp = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names
                                                                                        or ())]
     mode = DP_MODES[dp_mode]
@@ -114,8 +124,6 @@ def _check_supported(module: nn.Module, dp_mode: str, where: str) -> None:
     if sharded:
         raise PipelineError(f"{where}: dp_mode={dp_mode!r} reduces plain tensors but the module has DTensor "
                             f"parameters {sharded[:3]}; use dp_mode='fsdp' for fully_shard modules")
-    if not any(p.requires_grad for p in module.parameters()):
-        raise PipelineError(f"{where}: dp_mode={dp_mode!r} needs at least one parameter that requires grad")
 
 
 def replica_slice(values: Sequence[Any], replica: int, replicas: int, dim: int, what: str,
@@ -346,6 +354,8 @@ def build_reductions(mesh: ParallelDims | None, groups: Groups, placement: Seque
         seen.update(id(p) for p in params)
         ties_here = [t for t in tied if (c, s) in t.stages]
         if DP_MODES[dp_mode].needs_fully_shard:
+            if not any(p.requires_grad for p in module.parameters()):
+                continue  # nothing to reduce-scatter: the empty StageSync below stands at its REDUCE_GRAD
             g = by_kind["dense"][s]  # a mesh gives every stage its dp group
             out.syncs[(c, s)] = FSDPStageSync(module, bucket_bytes=bucket_bytes, divide_by=g.divide_by, group=g.group,
                                               key=("stage", s, "fsdp"))

@@ -222,6 +222,11 @@ def _example_module():
     (["--checkpoint-dir", "x", "--no-rewind"], "--checkpoint-dir is written by Rewind; drop --no-rewind"),
     (["--tokenizer", "tok.json"], "--tokenizer needs --corpus (the text it tokenizes)"),
     (["--corpus", "x", "--val-every", "1"], "--val-every must be >= 2 and --val-batches >= 0, got 1 and 2"),
+    (["--layers", "0"], "DeepSeekV3Config.n_layers must be >= 1, got 0 (--layers sets n_layers)"),
+    (["--from-pretrained", "ckpt", "--layers", "8"], "--layers and --vocab-size set a preset's shape; "
+                                                     "--from-pretrained takes the checkpoint's"),
+    (["--corpus", "x", "--vocab-size", "128"], "--vocab-size sets the synthetic task's vocabulary; with --corpus it "
+                                               "is the tokenizer's"),
 ])
 def test_bad_options_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -246,3 +251,73 @@ def test_memory_savers_lower_the_recorded_peak_as_the_planner_says(tmp_path):
     assert peaks["all", "eager"][0] < 0.8 * peaks["none", "eager"][0]
     for key in (("all", "eager"), ("all", "flash")):
         assert peaks[key][1] == pytest.approx(peaks["none", "eager"][1], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # the issue's command: the tiny preset's 4 layers cannot fill DualPipe's 8 stages
+    (["--pp", "8", "--microbatches", "32"],
+     "error: --pp 8 runs dualpipe on 8 stages per chain; its balanced cut E|||t|t|t|t|mL leaves stages 1, 2 without "
+     "a layer, and a stage between the first (embedding) and the last (head, MTP, losses) holds no parameter without "
+     "one. The 'tiny' preset has 4 layers; the deepest pp they fill under dualpipe is 6. Pass --layers 6 (the "
+     "fewest that fill pp 8) or --pp 6"),
+    # a V holds 2 stages per rank: 4 layers fill ZB-V at pp 3 at most, pp 4 needs 6
+    (["--pp", "4", "--schedule", "zbv"], "The 'tiny' preset has 4 layers; the deepest pp they fill under zbv is 3. "
+                                         "Pass --layers 6 (the fewest that fill pp 4) or --pp 3"),
+    (["--pp", "8", "--layers", "5"], "leaves stage 1 without a layer"),
+    # a recompute policy needs a block on the first stage too: ZB-V's balanced cut keeps it to the embedding
+    (["--pp", "8", "--schedule", "zbv", "--layers", "14", "--recompute", "selective"],
+     "its balanced cut E|t|t|t|t|t|t|t|t|t|t|t|t|t|t|mL leaves stage 0 without a layer, and --recompute selective "
+     "needs one on the first stage too (an embedding-only stage has nothing to recompute). The 'tiny' preset "
+     "(--layers 14) has 14 layers; the deepest pp they fill under zbv is 4. Pass --layers 22 (the fewest that fill "
+     "pp 8) or --pp 4"),
+    (["--pp", "4", "--layout", "Et|||tttmL"], "--layout Et|||tttmL leaves stages 1, 2 without a layer, and a stage "
+                                              "between the first (embedding) and the last (head, MTP, losses) holds "
+                                              "no parameter without one. The 'tiny' preset has 4 layers. Pass a "
+                                              "--layout with a block ('t') in each of stages 1..2"),
+])
+def test_a_stage_without_a_layer_is_refused_before_any_process_starts(argv, message):
+    """The demo refuses, once and before spawning, a run whose cut leaves a stage between the embedding's and
+    the head's without a block, naming the stages, the layer count, the deepest pp they fill and what to pass
+    (never a data-parallel mode: there is none at dp 1)."""
+    with pytest.raises(SystemExit) as exc:
+        _example_module().main(argv)
+    assert message in str(exc.value.code) and "dp_mode" not in str(exc.value.code)
+
+
+def test_the_suggested_layers_fill_the_pipeline():
+    """What the refusal suggests passes the check: --layers 6 at pp 8 under DualPipe, 14 under ZB-V and DualPipeV,
+    and 30 at pp 16, put a block on every stage (22 at pp 8 under ZB-V with recompute, the first stage
+    included); the deepest pp it names does too."""
+    demo = _example_module()
+    for schedule, pp, layers, recompute in (("dualpipe", 8, 6, "none"), ("zbv", 8, 14, "none"),
+                                            ("dualpipev", 8, 14, "none"), ("dualpipev", 16, 30, "none"),
+                                            ("dualpipe", 6, None, "none"), ("zbv", 8, 22, "selective")):
+        extra = ["--layers", str(layers)] if layers else []
+        args = demo.parse_args(["--pp", str(pp), "--schedule", schedule, "--recompute", recompute, *extra])
+        assert demo.depth_problem(args) is None, (schedule, pp, layers)
+    args = demo.parse_args(["--pp", "8", "--schedule", "zbv", "--layers", "13"])
+    assert "Pass --layers 14 (the fewest that fill pp 8) or --pp 7" in demo.depth_problem(args)
+
+
+@pytest.mark.slow  # 8 processes, about 20 s on 2 busy cores; the refusal and the fill are checked above by default
+def test_pp8_dualpipe_matches_one_process_and_learns(tmp_path):
+    """The demo at pp 8 (8 processes, DualPipe, --layers 6: a block on every stage between the embedding's and
+    the head's): its first loss equals the single-process model's on the same batch, and the loss falls."""
+    from types import SimpleNamespace
+
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+
+    data, out = run_example("--pp", "8", "--layers", "6", "--vocab-size", "128", "--steps", "6", "--no-rewind",
+                            summary=tmp_path / "s.json")
+    assert (data["pp"], data["schedule"], data["microbatches"]) == (8, "dualpipe", 16)
+    assert data["layout"] == "E|t|t|t|t|t|t|mL" and data["config"]["n_layers"] == 6
+    assert out.splitlines()[0].startswith("dualpipe · 8 ranks · 16 micro-batches of 1x16 tokens · layout E|t|t|t|")
+    torch.manual_seed(0)  # the demo's seed: every rank builds this model and keeps its stages
+    model = DeepSeekV3Model(DeepSeekV3Config.preset("tiny", n_layers=6, vocab_size=128, max_seq_len=64))
+    args = SimpleNamespace(seed=0, dp=1, ep=1, micro_batch_size=1, seq_len=16, num_mb=16)
+    x, y = _example_module().step_batch(args, SimpleNamespace(data=None, config=model.config), 0, 0)
+    with torch.no_grad():
+        want = sum(float(model.losses(model.hidden(xm), ym).main)
+                   for xm, ym in zip(x.tensor_split(16), y.tensor_split(16))) / 16
+    assert data["loss"][0] == pytest.approx(want, rel=1e-5)
+    assert data["loss"][-1] < data["loss"][0] - 0.1 and data["mtp_loss"][-1] < data["mtp_loss"][0] - 0.1

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +18,10 @@ from mt_dualpipe.cli import main
 from mt_dualpipe.parallel.modes import DP_MODES
 from mt_dualpipe.planner import runnable as runnable_module
 from mt_dualpipe.planner.runnable import (
+    DEEP_MINIATURE,
     DEMO,
     MINIATURE_PROCESSES,
+    TINY_DEEPSEEK,
     TINY_EXPERTS,
     demo_command,
     miniature,
@@ -119,8 +123,9 @@ def test_the_miniature_is_the_same_program_on_a_few_local_processes():
     small = miniature(full)
     assert (small["pp"], small["dp"], small["ep"]) == (2, 1, 2)
     assert small["pp"] * small["dp"] * small["ep"] <= MINIATURE_PROCESSES
-    assert {k: v for k, v in small.items() if k not in ("pp", "dp", "ep", "microbatches", "micro_batch_size")} == \
-        {k: v for k, v in full.items() if k not in ("pp", "dp", "ep", "microbatches", "micro_batch_size")}
+    sizes = ("pp", "dp", "ep", "microbatches", "micro_batch_size", "layers")
+    assert {k: v for k, v in small.items() if k not in sizes} == {k: v for k, v in full.items() if k not in sizes}
+    assert small["layers"] is None  # the preset's own depth fills pp 2
     command = demo_command(small)
     assert command == ("python examples/deepseek_v3_repro.py --pp 2 --dp 1 --ep 2 --dp-mode zero1 --schedule "
                        "dualpipe --recompute selective --core-attention flash --memory-savers "
@@ -134,6 +139,70 @@ def test_the_miniature_is_the_same_program_on_a_few_local_processes():
     from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
 
     assert TINY_EXPERTS == DeepSeekV3Config.preset("tiny").n_routed_experts  # the demo's default preset
+
+
+def test_the_miniature_can_keep_the_plans_pp():
+    """``keep_pp``: the published layout's miniature at pp 16, one process per pipeline rank, at the deep
+    miniature's sizes, with the fewest layers whose balanced cut puts a block on every stage (the demo refuses
+    the tiny preset's 4 there; with selective recompute the first stage needs one too: 15, not 14); the
+    planner's model of the tiny preset is the demo's."""
+    demo = _demo()
+    small = miniature(_launch(core_attention="flash"), keep_pp=True)
+    assert (small["pp"], small["dp"], small["ep"], small["layers"]) == (16, 1, 1, 15)
+    command = demo_command(small)
+    assert command == ("python examples/deepseek_v3_repro.py --pp 16 --dp 1 --ep 1 --dp-mode zero1 --schedule "
+                       "dualpipe --microbatches 32 --recompute selective --layers 15 --vocab-size 128 --seq-len 16 "
+                       "--steps 20 --micro-batch-size 1 --core-attention flash")
+    args = demo.parse_args(shlex.split(command)[2:])
+    assert {k: getattr(args, k) for k in DEEP_MINIATURE} == DEEP_MINIATURE
+    assert demo.depth_problem(args) is None  # the demo's own cut: a block on every stage
+    shallow = demo.parse_args(shlex.split(command.replace(" --layers 15", ""))[2:])
+    assert "Pass --layers 15 (the fewest that fill pp 16)" in demo.depth_problem(shallow)
+    assert miniature(_launch(recompute="none"), keep_pp=True)["layers"] == 14  # the middle stages only
+    # ZB-V at pp 8 holds 16 stages: 14 layers; DualPipe's 4 stages at pp 4 take the preset's own 4 (no --layers)
+    assert miniature(_launch(pp=8, schedule="zbv", recompute="none"), keep_pp=True)["layers"] == 14
+    four = miniature(_launch(pp=4, recompute="none"), keep_pp=True)
+    assert four["layers"] is None and "--layers" not in demo_command(four)
+    assert miniature(_launch())["layers"] is None  # the default miniature stays at pp 2 on the preset
+    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
+
+    tiny = DeepSeekV3Config.preset("tiny")
+    assert TINY_DEEPSEEK == {k: getattr(tiny, k) for k in TINY_DEEPSEEK}
+
+
+def test_plan_keep_pp_prints_the_miniature_at_the_layouts_pp(tmp_path, capsys):
+    data = _plan(tmp_path, "--keep-pp")
+    best = data["configurations"][0]
+    assert best["pp"] == 16 and best["miniature"] == demo_command(miniature(best["launch"], keep_pp=True))
+    out = capsys.readouterr().out
+    assert "in miniature (tiny DeepSeek-V3, 15 layers, pp 16 x dp 1 x ep 1 local gloo processes)" in out
+    assert f"\n  {best['miniature']}\n" in out and " --layers 15 " in best["miniature"]
+
+
+def _printed_miniature(capsys, *argv: str) -> str:
+    """The command line ``mt-dualpipe plan`` prints for the best layout's miniature."""
+    assert main(["plan", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return next(lines[i + 1] for i, line in enumerate(lines) if line.endswith("local gloo processes):")).strip()
+
+
+@pytest.mark.slow  # the demo as printed: 20 steps of ZB-V on 4 processes
+def test_the_printed_miniature_runs_as_printed(capsys):
+    """A plan at pp 4 under ZB-V printed with --keep-pp: its command (the tiny preset deepened to 7 layers, so
+    that with the plan's selective recompute every stage holds a block; the plan's savers and core attention;
+    the deep miniature's sizes) runs as printed, trains every stage, and its loss falls."""
+    command = _printed_miniature(capsys, "--model", "deepseek-v3", "--gpus", "64", "--global-batch", "256", "--pp",
+                                 "4", "--gpu-memory", "256GB", "--dtype", "fp8", "--schedules", "zbv", "--keep-pp")
+    words = shlex.split(command)
+    assert words[:2] == ["python", DEMO] and words[2:4] == ["--pp", "4"] and "--layers" in words
+    done = subprocess.run([sys.executable, *words[1:]], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("zbv · 4 ranks · 8 micro-batches of 1x16 tokens · layout ")
+    layout = first.split(" · layout ")[1].split(" · ")[0].split("|")
+    assert len(layout) == 8 and all("t" in stage for stage in layout[:-1]) and "--layers" in words
+    before, after = re.search(r"loss \(first → last step\) +│ +([\d.]+) → ([\d.]+)", done.stdout).groups()
+    assert float(after) < float(before) - 0.1
 
 
 def test_plan_json_gives_no_command_to_what_the_runtime_cannot_run(tmp_path, monkeypatch, capsys):
