@@ -1,7 +1,8 @@
 """The user-facing modules: ``Pipeline`` (any schedule), ``DualPipe`` and ``DualPipeV`` (drop-ins).
 
 They are thin: build the schedule for the step's number of micro-batches, lower it once, split the
-inputs and labels into micro-batches, run the ``Executor`` and stack the losses. Which rank gets
+inputs and labels into micro-batches (``microbatches.py``: batched tensors, or lists with one tensor
+per micro-batch), run the ``Executor`` and stack the losses. Which rank gets
 what follows from the placement alone: a rank passes inputs for the chain whose first stage it
 holds and labels for the chain whose last stage it holds, and gets that chain's losses (and
 outputs) back, in micro-batch order.
@@ -37,41 +38,16 @@ from .data_parallel import (
     needs_reductions,
     rank_label,
     refuse_wrapped,
-    replica_slice,
 )
 from .errors import PipelineError
 from .executor import Executor
-from .step_checks import NOT_HELD, StepCheck, StepVerifier, batch_rows
+from .microbatches import MicrobatchError, is_ragged, joined, replica_share, split
+from .step_checks import NOT_HELD, Given, StepCheck, StepVerifier, given, mixed_forms
 from .timeline import gather_timeline
 from .weight_grad import WeightGradStore
 
 if TYPE_CHECKING:
     from ..parallel.zero import PipelineOptimizer
-
-
-def _split(values: Sequence[Any], n: int, dim: int, what: str, allow_uneven: bool = False) -> list[tuple]:
-    """Split every tensor of ``values`` into ``n`` equal micro-batches along ``dim`` (None stays None).
-
-    A size that ``n`` does not divide is refused unless ``allow_uneven`` (then the first
-    ``size % n`` micro-batches get one row more, as ``torch.tensor_split`` does).
-    """
-    per_value = []
-    for v in values:
-        if v is None:
-            per_value.append([None] * n)
-        elif isinstance(v, torch.Tensor):
-            if v.dim() <= dim or v.shape[dim] < n:
-                size = "no such dim" if v.dim() <= dim else f"size {v.shape[dim]}"
-                raise PipelineError(f"{what} of shape {tuple(v.shape)} cannot be split into {n} micro-batches "
-                                    f"along batch_dim={dim} ({size}); it needs at least {n} rows there")
-            if v.shape[dim] % n and not allow_uneven:
-                raise PipelineError(f"{what} of shape {tuple(v.shape)}: a batch of {v.shape[dim]} along batch_dim="
-                                    f"{dim} does not split into num_chunks={n} equal micro-batches; use a batch size "
-                                    f"divisible by {n} (or set allow_uneven=True on the Pipeline)")
-            per_value.append(list(torch.tensor_split(v, n, dim)))
-        else:
-            raise PipelineError(f"{what} must be Tensors or None, got {type(v).__name__}")
-    return [tuple(p[i] for p in per_value) for i in range(n)]
 
 
 class Pipeline(nn.Module):
@@ -326,8 +302,9 @@ class Pipeline(nn.Module):
                                 f"{chains}; a rank may feed (or end) at most one chain")
         return chains[0] if chains else None
 
-    def step(self, *inputs: torch.Tensor | None, num_chunks: int, criterion: Callable | None = None,
-             labels: Sequence[torch.Tensor | None] = (), return_outputs: bool = False) -> tuple[Any, Any]:
+    def step(self, *inputs: torch.Tensor | Sequence[torch.Tensor] | None, num_chunks: int,
+             criterion: Callable | None = None, labels: Sequence[torch.Tensor | Sequence[torch.Tensor] | None] = (),
+             return_outputs: bool = False) -> tuple[Any, Any]:
         """One training step (or, under ``torch.no_grad()``, an inference step) over ``num_chunks`` micro-batches.
 
         ``inputs`` are needed only on a rank holding a chain's first stage (``needs_inputs``) and
@@ -340,8 +317,18 @@ class Pipeline(nn.Module):
         be concatenated (0-dim, or shapes that vary between micro-batches) comes back as a list
         with one tensor per micro-batch instead.
 
+        Ragged micro-batches: in place of each batched tensor pass a list with one tensor per
+        micro-batch of the rank's chain (``num_chunks`` of them; DualPipe: the ``num_chunks / 2`` of
+        the chain the rank feeds or ends), whose shapes may differ between micro-batches, e.g.
+        ``step([x0, x1, x2], num_chunks=3, criterion=f, labels=([y0, y1, y2],))``. Every rank passes
+        lists then; losses come back in the lists' order and outputs as a list per output, one
+        tensor per micro-batch. With ``dp_batch="global"`` each replica takes its rows of every
+        micro-batch. A schedule with a ``microbatch_order`` runs the micro-batches (lists or row
+        blocks) in its order; losses and outputs come back in the caller's (``_fed``).
+
         Mistakes made on one rank only (``num_chunks``, missing labels, a batch that does not split,
-        a different batch size) make every rank raise at the step's start, naming the rank.
+        a different batch size, a list of the wrong length, lists on one rank and batched tensors
+        on another) make every rank raise at the step's start, naming the rank.
         """
         forward_only = not torch.is_grad_enabled()
         prepared = _Prepared()
@@ -349,8 +336,8 @@ class Pipeline(nn.Module):
             try:
                 label = (f"dp*ep = {self.mesh.dp}*{self.mesh.ep} = {self.replicas}" if self.mesh.ep > 1
                          else f"dp={self.replicas}")
-                inputs = replica_slice(inputs, self.replica, self.replicas, self.batch_dim, "inputs", label)
-                labels = replica_slice(labels, self.replica, self.replicas, self.batch_dim, "labels", label)
+                inputs = replica_share(inputs, self.replica, self.replicas, self.batch_dim, "inputs", label)
+                labels = replica_share(labels, self.replica, self.replicas, self.batch_dim, "labels", label)
             except PipelineError as exc:
                 prepared.problem, prepared.problem_code = exc, 2
                 self._fail_together(prepared.check(num_chunks, not forward_only), exc)
@@ -377,11 +364,13 @@ class Pipeline(nn.Module):
                                             self.rank, self.p2p.meta_group, self.p2p.peers_global[0])
         loss = outputs = None
         if last is not None:
-            mbs = sched.microbatches_of(last)
+            mbs = _fed(sched, last)
             if criterion is not None:
                 loss = torch.stack([res.losses[m] for m in mbs])
             if return_outputs:
-                outputs = _joined([res.outputs[m] for m in mbs], self.batch_dim)
+                agreed = self.p2p.on_agreement  # the step's rows: whether any rank passed lists
+                ragged = isinstance(agreed, StepVerifier) and agreed.ragged
+                outputs = joined([res.outputs[m] for m in mbs], self.batch_dim, ragged)
         return loss, outputs
 
     def _prepare(self, out: _Prepared, inputs: Sequence[Any], num_chunks: int, criterion: Callable | None,
@@ -393,28 +382,49 @@ class Pipeline(nn.Module):
         ex = out.executor = self.executor(num_chunks)
         sched = ex.program.schedule
         first, last = out.first, out.last = self._chain_here(sched, 0), self._chain_here(sched, -1)
-        out.input_rows = batch_rows(inputs, self.batch_dim, first is not None)
-        out.label_rows = batch_rows(labels, self.batch_dim, last is not None)
+        out.given_inputs = given(inputs, self.batch_dim, first is not None)
+        out.given_labels = given(labels, self.batch_dim, last is not None)
         if first is not None:
-            mbs = sched.microbatches_of(first)
             out.problem_code = 1
             if not inputs or all(x is None for x in inputs):
                 raise PipelineError(f"{self.rank_name} holds the first stage of chain {first} and needs the step's "
                                     "inputs")
-            out.problem_code = 2
-            out.inputs = dict(zip(mbs, _split(inputs, len(mbs), self.batch_dim, "inputs", self.allow_uneven)))
+            out.inputs = self._microbatches(out, inputs, sched, first, "inputs")
         if last is not None:
-            mbs = sched.microbatches_of(last)
             out.problem_code = 4
             if not forward_only and criterion is None:
                 raise PipelineError(f"{self.rank_name} holds the last stage of chain {last}: a training step needs "
                                     "criterion here")
-            out.problem_code = 3
-            out.labels = dict(zip(mbs, _split(labels, len(mbs), self.batch_dim, "labels", self.allow_uneven)))
+            out.labels = self._microbatches(out, labels, sched, last, "labels")
+        if first is not None and last is not None and any(y is not None for y in labels) \
+                and is_ragged(inputs) != is_ragged(labels):
+            out.problem_code = 8  # stopped here, before a criterion meets them; _fail_together names every rank's forms
+            form = ("lists of micro-batches", "batched tensors")
+            raise PipelineError(f"{self.rank_name} passed its inputs as {form[not is_ragged(inputs)]} but its "
+                                f"labels as {form[not is_ragged(labels)]}; pass both the same way: lists with one "
+                                "tensor per micro-batch (labels=([y0, y1, ...],)) or batched tensors")
         out.problem_code = 0
 
+    def _microbatches(self, out: _Prepared, values: Sequence[Any], sched: Schedule, chain: int,
+                      what: str) -> dict[int, tuple]:
+        """``values`` cut into the micro-batches of ``chain``, keyed by the schedule's micro-batch ids."""
+        mbs = _fed(sched, chain)
+        hint = "" if len(mbs) == sched.num_microbatches else (
+            f"{self.rank_name} {'feeds' if what == 'inputs' else 'ends'} chain {chain}, which runs {len(mbs)} of the "
+            f"step's num_chunks={sched.num_microbatches} micro-batches")
+        try:
+            return dict(zip(mbs, split(values, len(mbs), self.batch_dim, what, self.allow_uneven, hint)))
+        except MicrobatchError as exc:
+            out.problem_code = {"type": 9, "mixed": 8, "count": 6 if what == "inputs" else 7}.get(
+                exc.kind, 2 if what == "inputs" else 3)
+            raise PipelineError(str(exc)) from None  # the kind was for the code; the user sees a PipelineError
+
     def _fail_together(self, check: StepCheck, problem: BaseException) -> None:
-        """Take part in the step-start agreement (so the other ranks fail at once too), then raise ``problem``."""
+        """Take part in the step-start agreement (so the other ranks fail at once too), then raise ``problem``,
+        or the agreed error when the ranks mixed lists of micro-batches with batched tensors (its root cause)."""
+        verifier = self.p2p.on_agreement
+        if isinstance(verifier, StepVerifier):
+            verifier.seen = None
         try:
             self.p2p.begin_step(None, check.row())
             self.p2p.settle()
@@ -422,6 +432,9 @@ class Pipeline(nn.Module):
             pass
         finally:
             self.p2p.forget()
+        mixed = mixed_forms(verifier.seen) if isinstance(verifier, StepVerifier) else None
+        if mixed:
+            raise PipelineError(mixed) from problem
         raise problem
 
 
@@ -434,14 +447,27 @@ class _Prepared:
         self.last: int | None = None
         self.inputs: dict[int, tuple] = {}
         self.labels: dict[int, tuple] = {}
-        self.input_rows = self.label_rows = NOT_HELD
+        self.given_inputs = self.given_labels = Given(NOT_HELD, NOT_HELD)
         self.problem: BaseException | None = None
         self.problem_code = 0
 
     def check(self, num_chunks: Any, training: bool) -> StepCheck:
         n = num_chunks if isinstance(num_chunks, int) and not isinstance(num_chunks, bool) else 0
         code = self.problem_code if self.problem is not None else 0
-        return StepCheck(n, int(training), self.input_rows, self.label_rows, code)
+        x, y = self.given_inputs, self.given_labels
+        return StepCheck(n, int(training), x.rows, y.rows, code, x.count, y.count, x.split, y.split)
+
+
+def _fed(sched: Schedule, chain: int) -> list[int]:
+    """The slots (the ops' micro-batch ids) of ``chain``, in the order of the caller's micro-batches.
+
+    The caller's m-th micro-batch of the chain (its m-th row block, or list entry) runs in the m-th
+    slot here, and losses and outputs come back through the same list, so the caller never sees
+    the schedule's order. A schedule that chose an order of the step's micro-batches
+    (``Schedule.microbatch_order``: slot s runs the micro-batch that arrived ``arrival_of(s)``-th)
+    gets them in that order: the chain's slots sorted by arrival. Without one, slot = arrival.
+    """
+    return sorted(sched.microbatches_of(chain), key=sched.arrival_of)
 
 
 def _pp_group(mesh: ParallelDims | None, dp_mode: str | None, dp_batch: str,
@@ -462,20 +488,6 @@ def _pp_group(mesh: ParallelDims | None, dp_mode: str | None, dp_batch: str,
                             f"mesh's pp group spans {dist.get_process_group_ranks(pp)}; pass mesh= alone (the "
                             "pipeline runs on its pp group) or a group over the same ranks")
     return process_group or pp
-
-
-def _joined(per_mb: list[tuple[torch.Tensor, ...]], dim: int) -> Any:
-    """The outputs of the micro-batches, concatenated along ``dim`` where they can be.
-
-    An output that is 0-dim or whose shape varies between micro-batches (other than along
-    ``dim``) comes back as a list with one tensor per micro-batch.
-    """
-    joined = []
-    for i in range(len(per_mb[0])):
-        parts = [o[i] for o in per_mb]
-        shapes = {p.shape[:dim] + p.shape[dim + 1:] if p.dim() > dim else None for p in parts}
-        joined.append(torch.cat(parts, dim) if None not in shapes and len(shapes) == 1 else parts)
-    return joined[0] if len(joined) == 1 else tuple(joined)
 
 
 def _placement_of(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple[tuple[int, ...], ...]:
