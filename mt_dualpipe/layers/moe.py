@@ -1,10 +1,11 @@
 """The MoE block: router -> dispatch -> experts -> combine, each piece replaceable.
 
 - the router (``router.py``) gives each token k expert ids and gate weights (``Routing``);
-- ``LocalDispatch`` orders the (token, expert) pairs by expert (a stable sort, so a token's rows keep
+- ``Dispatcher`` orders the (token, expert) pairs by expert (a stable sort, so a token's rows keep
   their order) and gathers one row per pair; ``combine`` scatters the expert outputs, times their gate
-  weights, back onto their tokens. ``expert_parallel.EPDispatch`` implements the same two methods with
-  all-to-alls over an EP group (``ep_group=``), and the block's ``experts`` then hold only that rank's share;
+  weights, back onto their tokens. With an EP group (``ep_group=``) the rows travel by the shared
+  dispatcher's all-to-alls (``expert_parallel.py``: bounded waits, overlap points for DualPipe's F&B
+  units, FP8 rows), and the block's ``experts`` hold only that rank's share;
 - ``Experts`` are one ``SwiGLUMLP`` per expert in a ``ModuleDict`` keyed by the *global* expert id, so
   the state-dict names are transformers' per-expert checkpoint names
   (``mlp.experts.7.gate_proj.weight``) and a shard's state dict is a subset of the full model's;
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,35 +26,50 @@ from torch import nn
 
 from ..parallel.weight_kinds import set_weight_kind
 from .balance import AuxLoss, switch_balance_loss
-from .expert_parallel import EPDispatch, ep_size, local_expert_ids
+from .expert_parallel import (
+    DEFAULT_TIMEOUT,
+    DispatchPlan,
+    all_to_all,
+    ep_size,
+    from_experts,
+    local_expert_ids,
+    plan_dispatch,
+    to_experts,
+)
 from .mlp import SwiGLUMLP
 from .router import Router, Routing
 
 
-@dataclass
-class DispatchPlan:
-    token_of: torch.Tensor  # (pairs,) source token of each dispatched row, rows ordered by expert
-    pair_of: torch.Tensor  # (pairs,) index into routing.weights.flatten() of each row
-    expert_rows: list[int]  # rows per local expert, in expert order
+class Dispatcher:
+    """Moves each (token, expert) row to its expert and the outputs back: the shared dispatcher
+    (``expert_parallel.py``) with an EP group (all-to-alls, bounded and overlappable), or all on this process.
 
+    ``dispatch`` gives the rows ordered by local expert (``plan.expert_rows`` per expert) and the plan;
+    ``combine`` scatters the experts' outputs, times their gate weights, back onto their tokens. ``keep``
+    (tokens, k) drops pairs (capacity): they travel nowhere and add nothing. ``fp8``: the dispatched rows
+    travel in E4M3 (their gradient in its own dtype)."""
 
-class LocalDispatch:
-    """Every expert on this process: sort the pairs by expert, gather and scatter-add."""
+    def __init__(self, num_experts: int, group: dist.ProcessGroup | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, fp8: bool = False) -> None:
+        self.num_experts, self.group, self.timeout, self.fp8 = num_experts, group, timeout, fp8
 
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
+    @property
+    def communicates(self) -> bool:
+        """Whether rows leave this process (an EP group of more than one rank)."""
+        return ep_size(self.group) > 1
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchPlan]:
-        flat = routing.indices.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        plan = DispatchPlan(token_of=order // routing.indices.size(1), pair_of=order, expert_rows=counts)
-        return x[plan.token_of], plan
+    def dispatch(self, x: torch.Tensor, routing: Routing, keep: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, DispatchPlan]:
+        plan = plan_dispatch(routing.indices, self.num_experts, self.group, self.timeout, keep)
+        rows = all_to_all(x[plan.token_of], plan.recv_splits, plan.send_splits, self.group, "dispatch",
+                          self.timeout, self.fp8)
+        return to_experts(rows, plan), plan
 
     def combine(self, rows: torch.Tensor, routing: Routing, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+        rows = all_to_all(from_experts(rows, plan), plan.send_splits, plan.recv_splits, self.group, "combine",
+                          self.timeout)
         w = routing.weights.flatten()[plan.pair_of].unsqueeze(-1).to(rows.dtype)
-        out = rows.new_zeros(tokens, rows.size(-1))
-        return out.index_add(0, plan.token_of, rows * w)
+        return rows.new_zeros(tokens, rows.size(-1)).index_add(0, plan.token_of, rows * w)
 
 
 class Experts(nn.ModuleDict):
@@ -83,11 +98,9 @@ class MoEBlock(nn.Module):
         self.num_experts = router.num_experts
         self.experts = Experts(hidden, intermediate, local_expert_ids(router.num_experts, ep_group))
         self.shared_expert = SwiGLUMLP(hidden, shared_intermediate) if shared_intermediate else None
-        if ep_size(ep_group) > 1:
-            self.dispatcher: LocalDispatch | EPDispatch = EPDispatch(router.num_experts, ep_group)
+        self.dispatcher = Dispatcher(router.num_experts, ep_group)
+        if self.dispatcher.communicates:
             set_weight_kind(self.experts, "expert")  # sharded over ep: gradients reduce over dp only
-        else:
-            self.dispatcher = LocalDispatch(router.num_experts)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         flat = h.flatten(0, -2)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...fp8 import convert_to_fp8
+from ...layers.expert_parallel import mesh_ep_group
 from ...layers.replicas import parameter_grads, sum_copies
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
@@ -44,7 +45,6 @@ from ..compile import check_backend, compile_stage
 from ..recompute import apply_recompute
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
 from .config import DeepSeekV3Config
-from .expert_parallel import mesh_ep_group
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .layout import parse_layout as parse_layout  # re-exported: it lived here before layout.py
 from .layout import stage_layer_ids
@@ -287,7 +287,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
     at ``seq_len`` tokens per sequence (default ``config.max_seq_len``): the cut ``mt-dualpipe plan``
     assumes for a run at that sequence length (``planner.stage_cut``).
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
-    (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
+    (``layers.expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
     if mesh is not None:
         if ep_group is not None:
             raise ValueError("give stages_for_rank mesh= (the experts then shard over its ep group) or ep_group=, "

@@ -18,7 +18,6 @@ from torch import nn
 
 from ...layers import (
     GQAttention,
-    LocalDispatch,
     MoEBlock,
     RMSNorm,
     SoftmaxTopKRouter,
@@ -65,7 +64,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
         each SwiGLU (dense or expert) themselves."""
         if policy != "full":
             return
-        if isinstance(self.mlp, MoEBlock) and not isinstance(self.mlp.dispatcher, LocalDispatch):
+        if isinstance(self.mlp, MoEBlock) and self.mlp.dispatcher.communicates:
             yield self, "attend", "attention_sublayer"
             for expert in self.mlp.experts.values():
                 yield expert, "forward", "expert"
