@@ -10,6 +10,9 @@
   the state-dict names are transformers' per-expert checkpoint names
   (``mlp.experts.7.gate_proj.weight``) and a shard's state dict is a subset of the full model's;
 - optional shared experts (DeepSeek, Qwen2-MoE) are a dense ``SwiGLUMLP`` added to the output;
+- ``recompute_product`` (the ``"swiglu"`` saver) is every expert's SwiGLU option; ``weight_before_down`` (the
+  ``"combine"`` saver) sends each row's gate weight with it and scales the expert's SwiGLU product by it before
+  the down-projection, so the combine is a plain sum that keeps no expert outputs (``savers.py``);
 - ``balance_coef`` > 0 adds the Switch load-balancing loss (``balance.switch_balance_loss`` on the router's
   ``balance_probs``) times the coefficient in training, through ``balance.AuxLoss`` on the gate weights:
   its gradient is injected in this layer's backward, whatever stage the layer is on. ``last_balance_loss``
@@ -65,23 +68,37 @@ class Dispatcher:
                           self.timeout, self.fp8)
         return to_experts(rows, plan), plan
 
-    def combine(self, rows: torch.Tensor, routing: Routing, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+    def row_weights(self, routing: Routing, plan: DispatchPlan, dtype: torch.dtype) -> torch.Tensor:
+        """Each dispatched row's gate weight (rows, 1), expert-major like ``dispatch``'s rows (the
+        ``"combine"`` saver multiplies it in before the down-projection); differentiable."""
+        w = routing.weights.flatten()[plan.pair_of].unsqueeze(-1).to(dtype)
+        return to_experts(all_to_all(w, plan.recv_splits, plan.send_splits, self.group, "dispatch", self.timeout),
+                          plan)
+
+    def combine(self, rows: torch.Tensor, routing: Routing | None, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+        """The experts' outputs back onto their tokens, times their gate weights (``routing`` None: the rows
+        already carry them, a plain sum)."""
         rows = all_to_all(from_experts(rows, plan), plan.send_splits, plan.recv_splits, self.group, "combine",
                           self.timeout)
-        w = routing.weights.flatten()[plan.pair_of].unsqueeze(-1).to(rows.dtype)
-        return rows.new_zeros(tokens, rows.size(-1)).index_add(0, plan.token_of, rows * w)
+        if routing is not None:
+            rows = rows * routing.weights.flatten()[plan.pair_of].unsqueeze(-1).to(rows.dtype)
+        return rows.new_zeros(tokens, rows.size(-1)).index_add(0, plan.token_of, rows)
 
 
 class Experts(nn.ModuleDict):
     """Experts ``ids`` (global ids; all of them without expert parallelism), each a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, intermediate: int, ids: Iterable[int]) -> None:
-        super().__init__({str(i): SwiGLUMLP(hidden, intermediate) for i in ids})
+    def __init__(self, hidden: int, intermediate: int, ids: Iterable[int], recompute_product: bool = False) -> None:
+        super().__init__({str(i): SwiGLUMLP(hidden, intermediate, recompute_product=recompute_product) for i in ids})
 
-    def run(self, rows: torch.Tensor, expert_rows: list[int]) -> torch.Tensor:
-        """Rows ordered by expert (``expert_rows`` per local expert) -> their outputs in the same order."""
+    def run(self, rows: torch.Tensor, expert_rows: list[int], row_weights: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Rows ordered by expert (``expert_rows`` per local expert) -> their outputs in the same order;
+        ``row_weights`` (rows, 1) scale each row's SwiGLU product (the ``"combine"`` saver)."""
         chunks = rows.split(expert_rows)
-        outs = [expert(chunk) if chunk.size(0) else chunk for expert, chunk in zip(self.values(), chunks)]
+        weights = row_weights.split(expert_rows) if row_weights is not None else [None] * len(chunks)
+        outs = [expert(chunk, w) if chunk.size(0) else chunk
+                for expert, chunk, w in zip(self.values(), chunks, weights)]
         return torch.cat(outs) if outs else rows
 
 
@@ -89,15 +106,18 @@ class MoEBlock(nn.Module):
     """``gate`` (the router) and ``experts.<id>`` (+ ``shared_expert``): transformers' names under ``mlp``."""
 
     def __init__(self, hidden: int, intermediate: int, router: Router, *, shared_intermediate: int = 0,
-                 ep_group: dist.ProcessGroup | None = None, balance_coef: float = 0.0) -> None:
+                 ep_group: dist.ProcessGroup | None = None, balance_coef: float = 0.0,
+                 recompute_product: bool = False, weight_before_down: bool = False) -> None:
         super().__init__()
         self.gate = router
+        self.weight_before_down = weight_before_down
         self.balance_coef = float(balance_coef)
         self.aux_loss_scale = 1.0  # the balance loss's gradient per backward (1/M when losses are averaged)
         self.last_balance_loss: torch.Tensor | None = None
         self.num_experts = router.num_experts
-        self.experts = Experts(hidden, intermediate, local_expert_ids(router.num_experts, ep_group))
-        self.shared_expert = SwiGLUMLP(hidden, shared_intermediate) if shared_intermediate else None
+        self.experts = Experts(hidden, intermediate, local_expert_ids(router.num_experts, ep_group), recompute_product)
+        self.shared_expert = SwiGLUMLP(hidden, shared_intermediate, recompute_product=recompute_product) \
+            if shared_intermediate else None
         self.dispatcher = Dispatcher(router.num_experts, ep_group)
         if self.dispatcher.communicates:
             set_weight_kind(self.experts, "expert")  # sharded over ep: gradients reduce over dp only
@@ -110,8 +130,12 @@ class MoEBlock(nn.Module):
             self.last_balance_loss = loss.detach()
             routing = routing._replace(weights=AuxLoss.apply(routing.weights, loss, self.aux_loss_scale))
         rows, plan = self.dispatcher.dispatch(flat, routing)
-        rows = self.experts.run(rows, plan.expert_rows)
-        out = self.dispatcher.combine(rows, routing, plan, flat.size(0)).view(h.shape)
+        if self.weight_before_down:  # the "combine" saver: no expert output is kept for the combine
+            row_w = self.dispatcher.row_weights(routing, plan, rows.dtype)
+            out = self.dispatcher.combine(self.experts.run(rows, plan.expert_rows, row_w), None, plan, flat.size(0))
+        else:
+            out = self.dispatcher.combine(self.experts.run(rows, plan.expert_rows), routing, plan, flat.size(0))
+        out = out.view(h.shape)
         return out if self.shared_expert is None else out + self.shared_expert(h)
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -129,5 +153,8 @@ class MoEBlock(nn.Module):
         rows = sum(expert.saved_per_token(policy, seq).values()) if expert is not None else 0
         hidden = self.gate.weight.size(1)
         shared = sum(self.shared_expert.saved_per_token(policy, seq).values()) if self.shared_expert else 0
-        return {**self.gate.saved_per_token(policy, seq), "dispatched_rows": k * hidden, "expert_out": k * hidden,
+        kept = {**self.gate.saved_per_token(policy, seq), "dispatched_rows": k * hidden,
                 "expert_activations": k * rows, "shared_expert": shared}
+        if self.weight_before_down:
+            return {**kept, "row_weights": k}
+        return {**kept, "expert_out": k * hidden}

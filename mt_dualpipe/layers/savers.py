@@ -43,3 +43,18 @@ def parse_memory_savers(value: str | Iterable[str]) -> frozenset[str]:
         else:
             raise ValueError(f"unknown memory saver {name!r}; choose from {', '.join(MEMORY_SAVERS)} or 'all'")
     return frozenset(out)
+
+
+class SaverSwitches:
+    """For a family config (a frozen dataclass with a ``memory_savers`` field): ``saves(name)``, and
+    ``check_savers()`` for its ``__post_init__`` (a string or iterable becomes a frozenset; unknown names
+    raise)."""
+
+    memory_savers: frozenset[str]
+
+    def check_savers(self) -> None:
+        object.__setattr__(self, "memory_savers", parse_memory_savers(self.memory_savers))
+
+    def saves(self, name: str) -> bool:
+        """Whether the memory saver ``name`` (``MEMORY_SAVERS``) is on."""
+        return name in self.memory_savers
