@@ -15,7 +15,7 @@ from typing import Any
 
 from ...layers.balance import PRIORITIES, strategy_overrides
 from ...layers.rope import RopeSpec
-from ...layers.savers import parse_memory_savers
+from ...layers.savers import SaverSwitches
 from .hf_config import config_kwargs_from_hf, config_to_hf, read_config_json
 from .yarn import YarnScaling
 
@@ -51,7 +51,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Config:
+class DeepSeekV3Config(SaverSwitches):
     """Sizes of DeepSeek-V3 (defaults: the 671B model) plus the training-objective weights.
 
     ``mtp_loss_weight`` is λ, ``balance_loss_weight`` is α of the sequence-wise balance loss and
@@ -117,7 +117,7 @@ class DeepSeekV3Config:
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_savers", parse_memory_savers(self.memory_savers))
+        self.check_savers()
         positive = ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
                     "n_activated_experts", "n_expert_groups", "n_limited_groups", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len")
@@ -162,10 +162,6 @@ class DeepSeekV3Config:
                 per_device < math.ceil(self.n_activated_experts / self.device_limit):
             raise ValueError(f"device_limit {self.device_limit} x {per_device} experts per device cannot hold "
                              f"n_activated_experts ({self.n_activated_experts})")
-
-    def saves(self, name: str) -> bool:
-        """Whether the memory saver ``name`` (``MEMORY_SAVERS``) is on."""
-        return name in self.memory_savers
 
     def with_balance(self, name: str) -> DeepSeekV3Config:
         """This config with the expert-balancing strategy ``name`` (``balancing.STRATEGIES``)."""
