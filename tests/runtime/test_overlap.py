@@ -168,3 +168,70 @@ def test_a_users_module_with_an_overlap_point_runs_overlapped_and_bit_identical(
         assert (over["loss"] is None) == (seq["loss"] is None)
         if over["loss"] is not None:
             assert torch.equal(over["loss"], seq["loss"])
+
+
+# ----- a family on the shared layer: every feature on, overlapped == F then B ---------------------------------
+def _qwen3_worker(rank: int, world: int, features: dict) -> dict:
+    import mt_dualpipe.runtime.executor as ex
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, criterion_for, stages_for_rank
+    from mt_dualpipe.parallel import init_parallel
+    from mt_dualpipe.schedules.registry import build_schedule
+
+    torch.set_num_threads(1)
+    if not features.get("fp8"):
+        torch.set_default_dtype(torch.float64)
+    dims = init_parallel(pp=2, dp=1, ep=2)
+    pp = dims.coord("pp")
+    config = Qwen3MoeConfig.preset("tiny", vocab_size=64, output_router_logits=True,
+                                   memory_savers=features.get("savers", "none"))
+    sched = build_schedule("dualpipev", 2, 6)
+    g = torch.Generator().manual_seed(3 + dims.coord("ep"))
+    tokens = torch.randint(0, 64, (6, 9), generator=g)
+    results = {}
+    for mode in ("overlapped", "sequential"):
+        torch.manual_seed(0)
+        mods = stages_for_rank(config, sched, pp, ep_group=dims.group("ep"), recompute=features["recompute"],
+                               compile=features.get("compile", False), fp8=features.get("fp8", False))
+        pipe = Pipeline(mods, sched, mesh=dims, dp_mode="zero1", dp_batch="local", timeout=120)
+        opt = pipe.build_optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+        before = [p.detach().clone() for m in mods for p in m.parameters()]
+        units: list[int] = []
+        real = ex.run_overlapped
+
+        def counted(f, b, units=units, real=real):
+            units.append(1)
+            return real(f, b)
+
+        ex.run_overlapped = counted
+        try:
+            with sequential_units() if mode == "sequential" else torch.enable_grad():
+                inputs, labels = ((tokens[:, :-1],), (tokens[:, 1:],)) if pp == 0 else ((), ())
+                loss, _ = pipe.step(*inputs, num_chunks=6, criterion=criterion_for(mods), labels=labels)
+        finally:
+            ex.run_overlapped = real
+        opt.step()  # ZeRO-1: the gradients are reduce-scattered into the optimizer's shards; compare the step
+        moved = sum(not torch.equal(a, p) for a, p in zip(before, (p for m in mods for p in m.parameters())))
+        results[mode] = {"loss": loss, "units": len(units), "closures": pipe.store.closures_run, "moved": moved,
+                         "params": {f"{i}.{n}": p.detach().clone() for i, m in enumerate(mods)
+                                    for n, p in m.named_parameters()}}
+    return results
+
+
+@pytest.mark.parametrize("features", [
+    pytest.param({"recompute": "selective", "compile": "aot_eager"}, id="recompute-compile-zero1-balance"),
+    pytest.param({"recompute": "full", "fp8": True, "savers": "all"}, id="fp8-savers-full", marks=pytest.mark.slow),
+])
+def test_qwen3_moe_overlaps_its_expert_all_to_alls_with_no_code_of_its_own(features):
+    """Qwen3-MoE (the shared MoEBlock and dispatcher) at pp 2 x ep 2 under DualPipeV, with the balance loss, ZeRO-1
+    and the features named: its F&B units run as two sides, the weight GEMMs still go to W, and the losses and
+    every parameter after an SGD step equal F then B's bit for bit."""
+    for res in run_ranks(_qwen3_worker, 4, features, timeout=300):
+        over, seq = res["overlapped"], res["sequential"]
+        assert over["units"] > 0 and seq["units"] == 0
+        assert over["closures"] == seq["closures"] > 0
+        assert over["params"].keys() == seq["params"].keys() and over["moved"] > 10  # the step really trained
+        assert all(torch.equal(over["params"][k], seq["params"][k]) for k in over["params"])
+        assert (over["loss"] is None) == (seq["loss"] is None)
+        if over["loss"] is not None:
+            assert torch.equal(over["loss"], seq["loss"])
