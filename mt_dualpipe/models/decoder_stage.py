@@ -155,9 +155,10 @@ def stage_finisher(recompute: str, backend: str | None) -> Callable[[DecoderStag
     last stage's loss (its float upcast and softmax fuse)."""
     def finish(stage: DecoderStage) -> None:
         if backend is None:
-            apply_recompute(stage, recompute)
+            apply_recompute(stage, recompute if len(stage.decoder.layers) else "none")  # no layer: nothing to rebuild
             return
-        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=recompute)
+        compile_stage(stage, stage.compile_targets(), backend=backend,
+                      recompute=recompute if len(stage.decoder.layers) else "none")
         if stage.is_last:
             stage.loss_fn = torch.compile(lm_loss, backend=backend)
     return finish

@@ -38,6 +38,7 @@ from torch import nn
 from ...fp8 import convert_to_fp8
 from ...layers.expert_parallel import mesh_ep_group
 from ...layers.replicas import parameter_grads, sum_copies
+from ...parallel.device import collective_device
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
@@ -246,7 +247,9 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
 
 
 def _recomputed(stage: DeepSeekV3Stage, policy: str, backend: str | None = None) -> DeepSeekV3Stage:
-    """The recompute policy, and compilation when asked (which must wrap the policy's regions)."""
+    """The recompute policy, and compilation when asked (which must wrap the policy's regions); a stage without
+    a block (the embedding alone, at a depth the model barely fills) has nothing to rebuild."""
+    policy = policy if len(stage.layers) else "none"
     if backend is None:
         apply_recompute(stage, policy)
     else:
@@ -376,7 +379,10 @@ def sync_expert_load(modules: Sequence[nn.Module], dims: Any = None) -> None:
     index = {n: i for i, n in enumerate(names)}
     local = [(index[n], b) for m in modules for n, b in m.named_buffers() if n in index]
     width = modules[0].config.n_routed_experts
-    device = next(modules[0].parameters()).device  # nccl reduces device tensors; every rank's stage has weights
+    # nccl reduces device tensors: where this rank's weights are, or the collective's device for a rank whose
+    # stages hold none (pass-through stages at a depth the model barely fills)
+    held = next((t.device for m in modules for t in (*m.parameters(), *m.buffers())), None)
+    device = held if held is not None else collective_device()
     flat = torch.zeros(len(names), width, dtype=local[0][1].dtype if local else torch.float32, device=device)
     for i, b in local:
         flat[i] += b
