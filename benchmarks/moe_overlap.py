@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from mt_dualpipe.layers import GQAttention, MoEBlock, RMSNorm, RopeSpec, SoftmaxTopKRouter  # noqa: E402
+from mt_dualpipe.layers import GQAttention, MoEBlock, RMSNorm, RopeSpec, SoftmaxTopKRouter, init_normal  # noqa: E402
 from mt_dualpipe.parallel import init_parallel  # noqa: E402
 from mt_dualpipe.runtime import Pipeline  # noqa: E402
 from mt_dualpipe.runtime.overlap import sequential_units  # noqa: E402
@@ -105,13 +105,12 @@ class ComposedStage(nn.Module):
 
 def _composed(sched: Any, pp: int, ep_group: Any) -> tuple[list[nn.Module], Any]:
     torch.manual_seed(0)
-    n = sched.num_stages
+    n = sched.num_stages()
     mods = [ComposedStage(64, 2, s == 0, s == n - 1, ep_group) for _, s in sched.local_stages(pp)]
-    from mt_dualpipe.parallel import set_weight_kind
-
     for m in mods:
+        init_normal(m, 0.02)
         for block in m.blocks:
-            set_weight_kind(block.moe.experts, "expert")
+            nn.init.normal_(block.moe.gate.weight, 0.0, 0.02)  # a router's weight is the family's to initialise
     last = any(s == n - 1 for _, s in sched.local_stages(pp))
     return mods, (lambda o, t: nn.functional.cross_entropy(o.flatten(0, 1), t.flatten())) if last else None
 
@@ -181,7 +180,8 @@ def _measure(rank: int, world: int, family: str, schedule: str, latencies: list[
                 times.setdefault((latency, mode), []).append(took)
             same &= got["overlapped"].keys() == got["sequential"].keys() and all(
                 torch.equal(got["overlapped"][k], got["sequential"][k]) for k in got["overlapped"])
-    return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}, "same": same}
+    return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}, "same": same,
+            "all": {k: [round(x * 1000) for x in v] for k, v in times.items()}}
 
 
 def main() -> None:
@@ -205,7 +205,7 @@ def main() -> None:
             calls = max(r["calls"] for r in res)
             med = res[0]["median"]
             if os.environ.get("MOE_OVERLAP_DEBUG"):
-                print(family, schedule, {k: round(v * 1000, 1) for k, v in med.items()})
+                print(family, schedule, {k: round(v * 1000, 1) for k, v in med.items()}, res[0].get("all"))
             for latency in latencies:
                 exposed = {mode: (med[latency, mode] - med[0.0, mode]) / (calls * latency)
                            for mode in ("overlapped", "sequential")}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -132,16 +133,15 @@ def _current_streams() -> list[Any]:
     return streams
 
 
-class _Side(threading.Thread):
-    """The B side of one F&B unit: waits for its first turn, runs on the caller's streams and context
-    variables, and leaves the baton when done."""
+class _Task:
+    """One F&B unit's B side: runs on the worker thread on the caller's streams and context variables."""
 
     def __init__(self, baton: _Baton, fn: Callable[[], Any]) -> None:
-        super().__init__(name="mt_dualpipe-fb-backward", daemon=True)
         self.baton, self.fn = baton, fn
         self.context = contextvars.copy_context()
         self.streams = _current_streams()
         self.error: BaseException | None = None
+        self.done = threading.Event()
 
     def _call(self) -> None:
         with contextlib.ExitStack() as stack:
@@ -158,27 +158,48 @@ class _Side(threading.Thread):
             self.error = exc
         finally:
             self.baton.finish(B_SIDE)
+            self.done.set()
+
+
+class _Worker(threading.Thread):
+    """The one thread that runs B sides, kept for the process's life: a thread per unit would start each
+    backward on a cold thread (a fresh malloc arena whose pages fault in again, the autograd engine's
+    per-thread state), which costs more than the unit's own compute on a small model."""
+
+    def __init__(self) -> None:
+        super().__init__(name="mt_dualpipe-fb-backward", daemon=True)
+        self.tasks: queue.SimpleQueue[_Task] = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            self.tasks.get().run()
+
+
+_worker: _Worker | None = None
 
 
 def run_overlapped(forward: Callable[[], Any], backward: Callable[[], Any]) -> Any:
     """Run an F&B unit's two sides, handing over at overlap points (see the module docstring); returns what
     ``forward`` returns. An exception of either side is raised here once both have stopped (the forward's
     first), so the other side's collectives are never left half-posted on this rank."""
-    global _unit
+    global _unit, _worker
     if _unit is not None:
         raise RuntimeError("an F&B unit is already running in this process; units do not nest")
+    if _worker is None or not _worker.is_alive():
+        _worker = _Worker()
     baton = _Baton()
-    side = _Side(baton, backward)
+    task = _Task(baton, backward)
     _unit = baton
     try:
-        side.start()
+        _worker.tasks.put(task)
         try:
             result = forward()
         finally:
             baton.finish(F_SIDE)
-            side.join()
+            task.done.wait()
     finally:
         _unit = None
-    if side.error is not None:
-        raise side.error
+    if task.error is not None:
+        raise task.error
     return result
