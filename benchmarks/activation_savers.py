@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks.balancing import bigram_batches  # noqa: E402
 from mt_dualpipe.fp8 import convert_to_fp8  # noqa: E402
 from mt_dualpipe.fp8.linear import FP8Linear  # noqa: E402
+from mt_dualpipe.layers.savers import MEMORY_SAVERS  # noqa: E402
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages  # noqa: E402
-from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS  # noqa: E402
 from mt_dualpipe.models.recompute import SavedActivationMeter  # noqa: E402
 from mt_dualpipe.planner import ModelSpec  # noqa: E402
 from mt_dualpipe.planner.activations import FP8_LIN, memory_savers  # noqa: E402

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from benchmarks.balancing import bigram_batches  # noqa: E402
+from mt_dualpipe.layers.expert_parallel import fp8_row_bytes  # noqa: E402
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model  # noqa: E402
-from mt_dualpipe.models.deepseek_v3.expert_parallel import fp8_row_bytes  # noqa: E402
 from mt_dualpipe.optim import AdamWBF16, CpuEMA, optimizer_state_bytes  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from ..models.planner_specs import PLANNER_MODELS, planner_model
+from ..models.planner_specs import planner_model, planner_names
 from ..planner import ModelSpec, plan
 from ..planner.activations import memory_savers
 from ..planner.report import print_plan
@@ -42,9 +42,10 @@ def register(subparsers) -> None:
                     "weights tied across stages), tp 1 (--tp sizes are estimated, Megatron-style with sequence "
                     "parallelism, and marked). Unrunnable ones are marked, not hidden, unless --runnable-only.")
     p.add_argument("--model", required=True, help="deepseek-v3; a family preset whose saved bytes come from its "
-                   f"modules' declarations ({', '.join(PLANNER_MODELS)}); or a model JSON in SimuMax's layout "
-                   "(Megatron and Hugging Face names such as ffn_hidden_size or num_hidden_layers are read too; an "
-                   "unknown key is an error)")
+                   f"modules' declarations ({', '.join(planner_names())}); a family's Hugging Face config.json as "
+                   "shipped (the file or its folder; its model_type picks the family, keys that do not shape the "
+                   "cost are ignored and named); or a model JSON in SimuMax's layout (Megatron and Hugging Face names "
+                   "such as ffn_hidden_size or num_hidden_layers are read too; an unknown key is an error)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--system", default="h800", help="h800, h100, a100 or a SimuMax system JSON (default h800)")
     p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GB (overrides the system)")
@@ -182,17 +183,36 @@ def planned_with_savers(model: ModelSpec, savers: str, planned: Callable[[str], 
     if savers != "auto":
         return planned(savers), ""
     plain = planned("none")
-    if plain.ranked or model.attention_type != "mla":
+    if plain.ranked or (model.attention_type != "mla" and model.declared_saved is None):
         return plain, ""
     saved = planned("all")
     if not saved.ranked:
         return plain, ""
-    return saved, ("nothing fits without DeepSeek-V3's activation savers (the report's, all in the runtime): planned "
-                   "with all of them on (--memory-savers none plans without them, a list picks some)")
+    return saved, ("nothing fits without the activation savers (DeepSeek-V3's report's, options of the shared modules, "
+                   "all in the runtime): planned with all of them on (--memory-savers none plans without them, a "
+                   "list picks some)")
+
+
+def result_savers(asked: str) -> str:
+    """The savers a follow-up plan counts: those asked for, none for ``"auto"``."""
+    return asked if asked != "auto" else "none"
+
+
+def full_recompute_hint(recompute: str, full: PlanResult) -> str:
+    """What a plan where nothing fits under ``recompute`` would give under full recompute (``full``)."""
+    if not full.ranked:
+        return f"nothing fits with recompute {recompute}, nor with --recompute full"
+    best = full.ranked[0].strategy
+    return (f"nothing fits with recompute {recompute}; with --recompute full {len(full.ranked)} configurations fit, "
+            f"the best pp {best.pp} x dp {best.dp} x ep {best.ep} ({best.schedule}, "
+            f"{full.ranked[0].memory_gb['total']:.1f} GB)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    model = planner_model(args.model) or ModelSpec.load(args.model)
+    family = planner_model(args.model)
+    model = family.spec if family is not None else ModelSpec.load(args.model)
+    if family is not None and family.note:
+        print(family.note)
     system = _system(args)
     options = strategy_options(args.strategy)
     if args.pp:
@@ -213,14 +233,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options["schedules"] = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     if args.auto < 0:
         raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
-    def planned(savers: str):
+    def planned(savers: str, **changes):
+        # a family's model counts its savers from its modules, built with them on; the formulas read the switch
+        spec = model if family is None else planner_model(args.model, savers).spec
         with memory_savers(savers):
-            return plan(model, system, args.gpus, args.global_batch, auto_top=args.auto,
-                        runnable_only=args.runnable_only, **options)
+            return plan(spec, system, args.gpus, args.global_batch, auto_top=args.auto,
+                        runnable_only=args.runnable_only, **{**options, **changes})
 
     result, note = planned_with_savers(model, args.memory_savers, planned)
     if note:
         print(note)
+    if not result.ranked and options["recompute"] != "full":
+        print(full_recompute_hint(options["recompute"], planned(result_savers(args.memory_savers), recompute="full")))
     print_plan(result, args.top)
     command = best_command(result, args.keep_pp)
     if command:

@@ -11,9 +11,11 @@
 ``mlp``             ``SwiGLUMLP`` (dense FFN and one expert)
 ``router``          ``Routing``, ``Router``, ``SoftmaxTopKRouter``, ``SigmoidGroupLimitedRouter``,
                     ``group_limited_topk``
-``balance``         ``AuxLoss`` (a loss injected in a layer's backward), ``switch_balance_loss``
-``moe``             ``LocalDispatch`` (dispatch/combine), ``Experts``, ``MoEBlock``
-``expert_parallel`` ``EPDispatch`` (dispatch/combine by all-to-all over an EP group), ``local_expert_ids``
+``balance``         expert balancing: ``AuxLoss`` (a loss injected in a layer's backward), the Switch,
+                    sequence- and batch-wise losses, bias update, device-limited routing, capacity
+``moe``             ``Dispatcher`` (dispatch/combine, local or over an EP group), ``Experts``, ``MoEBlock``
+``expert_parallel`` the one expert dispatcher: the plan, bounded and overlappable all-to-alls (forward and
+                    backward), FP8 rows, ``local_expert_ids``, the mesh's EP group
 ``head``            embedding, LM head, ``lm_loss``, ``count_targets``, ``step_normalizer``
 ==================  ======================================================================
 
@@ -24,19 +26,19 @@ by ``models.recompute.apply_recompute``) and what it keeps per token (``saved_pe
 from .attention import GQAttention
 from .attention_core import core_attention
 from .common import SavesPerToken, compute_dtype, deferred_init, init_normal, saved_elements_per_token
-from .expert_parallel import EPDispatch, local_expert_ids
+from .expert_parallel import DispatchPlan, all_to_all, local_expert_ids, plan_dispatch
 from .head import count_targets, embedding, lm_head, lm_loss, logits, step_normalizer
 from .mla import MLAttention
 from .mlp import SwiGLUMLP
-from .moe import DispatchPlan, Experts, LocalDispatch, MoEBlock
+from .moe import Dispatcher, Experts, MoEBlock
 from .norm import RMSNorm, rms_norm
 from .rope import RopeSpec, apply_rope, cos_sin, inv_freq
 from .router import Router, Routing, SigmoidGroupLimitedRouter, SoftmaxTopKRouter
 
 __all__ = [
-    "DispatchPlan", "EPDispatch", "Experts", "GQAttention", "LocalDispatch", "MLAttention", "MoEBlock", "RMSNorm",
-    "RopeSpec", "Router", "Routing", "SavesPerToken", "SigmoidGroupLimitedRouter", "SoftmaxTopKRouter", "SwiGLUMLP",
-    "apply_rope", "compute_dtype", "core_attention", "cos_sin", "count_targets", "deferred_init", "embedding",
-    "init_normal", "inv_freq", "lm_head", "lm_loss", "local_expert_ids", "logits", "rms_norm",
-    "saved_elements_per_token", "step_normalizer",
+    "DispatchPlan", "Dispatcher", "Experts", "GQAttention", "MLAttention", "MoEBlock", "RMSNorm", "RopeSpec",
+    "Router", "Routing", "SavesPerToken", "SigmoidGroupLimitedRouter", "SoftmaxTopKRouter", "SwiGLUMLP",
+    "all_to_all", "apply_rope", "compute_dtype", "core_attention", "cos_sin", "count_targets", "deferred_init",
+    "embedding", "init_normal", "inv_freq", "lm_head", "lm_loss", "local_expert_ids", "logits", "plan_dispatch",
+    "rms_norm", "saved_elements_per_token", "step_normalizer",
 ]

@@ -3,7 +3,9 @@
 Parameter names are transformers' (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``,
 ``k_norm``), so a family's state-dict key is the checkpoint name. The projections are plain
 ``nn.Linear`` (``defer_weight_grads`` swaps them for ``DeferredLinear`` in a pipeline stage).
-RoPE and the softmax run in ``compute_dtype``.
+RoPE and the softmax run in ``compute_dtype``. ``core``: ``"eager"`` (autograd keeps the S×S
+probabilities), ``"recomputed"`` (the ``"attention"`` saver: q, k, v kept, the core re-run in B) or
+``"flash"`` (``attention_core``); ``norm_recompute``: the q/k RMSNorms keep only their inputs (``"norm"``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .attention_core import CORES, core_attention
 from .common import compute_dtype
 from .norm import RMSNorm
 from .rope import RopeSpec, apply_rope, cos_sin
@@ -20,17 +23,21 @@ from .rope import RopeSpec, apply_rope, cos_sin
 
 class GQAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, rope: RopeSpec, *,
-                 qk_norm: bool = False, eps: float = 1e-6, bias: bool = False) -> None:
+                 qk_norm: bool = False, eps: float = 1e-6, bias: bool = False, core: str = "eager",
+                 norm_recompute: bool = False) -> None:
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        if core not in CORES:
+            raise ValueError(f"core attention must be one of {', '.join(CORES)}, got {core!r}")
+        self.core_kind = core
         self.heads, self.kv_heads, self.head_dim, self.rope = heads, kv_heads, head_dim, rope
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps, norm_recompute) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, norm_recompute) if qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -47,6 +54,8 @@ class GQAttention(nn.Module):
         """Core attention: K/V repeated per group, QKᵀ·d^-½, causal softmax (``compute_dtype``), ·V."""
         seq, group = q.size(1), self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        if self.core_kind != "eager":  # the "attention" saver's footprint (or flash's): ``attention_core``
+            return core_attention(q, k, v, self.head_dim ** -0.5, self.core_kind)
         scores = torch.einsum("bshd,bthd->bhst", q, k) * self.head_dim ** -0.5
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
@@ -54,7 +63,7 @@ class GQAttention(nn.Module):
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         """``"selective"``: the core attention (its S×S probabilities dominate), as Megatron does."""
-        if policy == "selective":
+        if policy == "selective" and self.core_kind == "eager":
             yield self, "core", "core_attention"
 
     def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
@@ -66,8 +75,14 @@ class GQAttention(nn.Module):
             return {}
         d, h, kv = self.head_dim, self.heads, self.kv_heads
         kept = {"qkv_input": self.q_proj.in_features, "q": h * d, "k": kv * d, "v": kv * d, "core_out": h * d}
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.q_norm.recompute:
+            kept.update(q_norm=h * d, k_norm=kv * d)
+        elif self.q_norm is not None:
             kept.update(q_norm=2 * h * d + h, k_norm=2 * kv * d + kv)
+        if self.core_kind == "recomputed":  # q and the per-group repeated k and v
+            return {**kept, "k_repeated": 2 * h * d}
+        if self.core_kind == "flash":  # the repeated k, v, the output and one log-sum-exp per head
+            return {**kept, "k_repeated": 2 * h * d, "core_out_kept": h * d, "lse": 2 * h}
         if policy == "selective":
             return kept
         return {**kept, "k_repeated": 2 * h * d, "probs": h * seq}

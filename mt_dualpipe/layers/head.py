@@ -26,19 +26,48 @@ def logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     return F.linear(h, head_weight)
 
 
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                   normalizer: float | torch.Tensor | None) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.size(-1)).to(compute_dtype(logits))
+    if normalizer is None:
+        return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index)
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=ignore_index, reduction="sum") / normalizer
+
+
+class _KeptLogitsCrossEntropy(torch.autograd.Function):
+    """The cross-entropy keeping the logits as given (the ``"loss"`` saver): eager autograd keeps the
+    ``compute_dtype`` log-softmax (vocab × 4 bytes per token, twice the bf16 logits); B rebuilds it from the
+    logits and differentiates the same ops, so the gradient is bit-equal."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                normalizer: float | torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(logits, labels)
+        ctx.ignore_index, ctx.normalizer = ignore_index, normalizer
+        return _cross_entropy(logits, labels, ignore_index, normalizer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            loss = _cross_entropy(leaf, labels, ctx.ignore_index, ctx.normalizer)
+        return torch.autograd.grad(loss, leaf, grad)[0], None, None, None
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-            normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token cross-entropy (``labels[:, i]`` is token i+1) in ``compute_dtype``; ``ignore_index``
-    targets are masked out.
+            normalizer: float | torch.Tensor | None = None, keep_logits: bool = False) -> torch.Tensor:
+    """Next-token cross-entropy (``labels[..., i]`` is token i+1; any leading dims) in ``compute_dtype``;
+    ``ignore_index`` targets are masked out.
 
     ``normalizer`` None: the mean over this call's valid targets. Otherwise the sum over them divided
     by ``normalizer``, the step's count of valid targets (``step_normalizer``): the micro-batches' losses
     then add up to the step's token mean, so a pipelined step's gradients equal one process's on the
-    whole batch even when micro-batches hold different numbers of masked targets."""
-    flat = logits.flatten(0, 1).to(compute_dtype(logits))
-    if normalizer is None:
-        return F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index)
-    return F.cross_entropy(flat, labels.flatten(), ignore_index=ignore_index, reduction="sum") / normalizer
+    whole batch even when micro-batches hold different numbers of masked targets.
+    ``keep_logits`` (the ``"loss"`` saver, ``savers.py``): keep the logits instead of the log-softmax."""
+    if keep_logits and torch.is_grad_enabled() and logits.requires_grad:
+        return _KeptLogitsCrossEntropy.apply(logits, labels, ignore_index, normalizer)
+    return _cross_entropy(logits, labels, ignore_index, normalizer)
 
 
 def count_targets(labels: torch.Tensor, ignore_index: int = -100) -> int:

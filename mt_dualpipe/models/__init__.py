@@ -7,8 +7,8 @@
 preset's ``ModelSpec`` (``planner_specs.py``).
 """
 
-from .planner_specs import PLANNER_MODELS, planner_model
-from .registry import FAMILIES, family, from_pretrained, model_type_of, register_family
+from .planner_specs import planner_model, planner_names
+from .registry import FAMILIES, Family, family, from_pretrained, model_type_of, register_family
 
-__all__ = ["FAMILIES", "PLANNER_MODELS", "family", "from_pretrained", "model_type_of", "planner_model",
+__all__ = ["FAMILIES", "Family", "family", "from_pretrained", "model_type_of", "planner_model", "planner_names",
            "register_family"]

@@ -109,10 +109,11 @@ class DecoderStage(nn.Module):
         tied = self.config.tie_word_embeddings
         weight = self.decoder.embed_tokens.weight if tied else self.lm_head.weight
         out = logits(self.decoder.norm(h), weight)
+        keep = bool(getattr(self.config, "saves", lambda name: False)("loss"))  # the "loss" saver (layers.savers)
         if normalizer is None:
-            loss = self.loss_fn(out, labels, ignore_index=-100)
+            loss = self.loss_fn(out, labels, ignore_index=-100, keep_logits=keep)
         else:  # the sum (normalizer 1.0, a constant: a compiled loss_fn does not recompile per step), then divided
-            loss = self.loss_fn(out, labels, ignore_index=-100, normalizer=1.0) / normalizer
+            loss = self.loss_fn(out, labels, ignore_index=-100, normalizer=1.0, keep_logits=keep) / normalizer
         self.loss_log.append(float(loss.detach()))
         return loss
 
@@ -154,9 +155,10 @@ def stage_finisher(recompute: str, backend: str | None) -> Callable[[DecoderStag
     last stage's loss (its float upcast and softmax fuse)."""
     def finish(stage: DecoderStage) -> None:
         if backend is None:
-            apply_recompute(stage, recompute)
+            apply_recompute(stage, recompute if len(stage.decoder.layers) else "none")  # no layer: nothing to rebuild
             return
-        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=recompute)
+        compile_stage(stage, stage.compile_targets(), backend=backend,
+                      recompute=recompute if len(stage.decoder.layers) else "none")
         if stage.is_last:
             stage.loss_fn = torch.compile(lm_loss, backend=backend)
     return finish

@@ -1,37 +1,85 @@
-"""The planner's models that a family describes itself: ``mt-dualpipe plan --model qwen3-moe``.
+"""The planner's models that a family describes itself: ``mt-dualpipe plan --model qwen3-moe`` (a preset's
+name, ``registry.FAMILIES``' planner names) or ``--model path/config.json`` (the family's own Hugging Face
+config as shipped, read through the family's config class).
 
-A name here gives the family preset's ``planner_spec`` (its ``spec.py``), whose saved bytes per token are
-read from the modules' ``saved_per_token`` declarations, instead of a bundled JSON description
-(``planner/models/*.json``, whose saved bytes follow ``planner/activations.py``). The family is imported only
-when its name is asked for (it needs torch: the declarations are read from layers built on the meta
-device), so planning DeepSeek-V3 or a JSON model loads no model code.
+A family with a ``spec.py`` gives the planner its ``planner_spec(config)``, whose saved bytes per token are read
+from the modules' ``saved_per_token`` declarations (with the config's ``memory_savers`` on); DeepSeek-V3 is
+described by ``ModelSpec.from_deepseek_config``, whose saved bytes follow ``planner/activations.py``. The family
+is imported only when asked for (its declarations are read from layers built on the meta device), so planning a
+JSON model loads no model code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .registry import FAMILIES, Family, family_entry, read_config
 
 if TYPE_CHECKING:
     from ..planner.model import ModelSpec
 
-# name -> (family package, its config class, the preset, the plan's model name)
-PLANNER_MODELS: dict[str, tuple[str, str, str, str]] = {
-    "qwen3-moe": ("mt_dualpipe.models.qwen3_moe", "Qwen3MoeConfig", "30b-a3b", "qwen3_30b_a3b"),
-    "qwen3-30b-a3b": ("mt_dualpipe.models.qwen3_moe", "Qwen3MoeConfig", "30b-a3b", "qwen3_30b_a3b"),
-    "llama3-8b": ("mt_dualpipe.models.llama", "LlamaConfig", "8b", "llama3_8b"),
-    "llama-3.1-8b": ("mt_dualpipe.models.llama", "LlamaConfig", "8b", "llama3_8b"),
-}
+
+def planner_names() -> list[str]:
+    """Every preset name ``plan --model`` takes."""
+    return [p.name for f in FAMILIES.values() for p in f.planner_names]
 
 
-def planner_model(name: str) -> ModelSpec | None:
-    """The ``ModelSpec`` of a family preset named ``name`` (case-insensitive), or None when no family
-    describes that name (the caller then reads a bundled or given JSON)."""
-    entry = PLANNER_MODELS.get(name.lower())
-    if entry is None:
+@dataclasses.dataclass(frozen=True)
+class PlannedModel:
+    spec: ModelSpec
+    note: str = ""  # for a config.json: which keys shaped the model and which the plan ignored
+
+
+def _spec(entry: Family, config: Any) -> ModelSpec:
+    try:
+        spec_module = importlib.import_module(f"{entry.module}.spec")
+    except ModuleNotFoundError:
+        spec_module = None
+    if spec_module is not None and hasattr(spec_module, "planner_spec"):
+        return spec_module.planner_spec(config)
+    if hasattr(config, "mtp_depth"):  # DeepSeek-V3: the planner's MLA / DeepSeekMoE formulas
+        from ..planner.model import ModelSpec
+
+        return ModelSpec.from_deepseek_config(config)
+    raise ValueError(f"the {entry.config_class} family has no planner description (a spec.py with planner_spec)")
+
+
+def _config_path(name: str) -> Path | None:
+    path = Path(name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    if path.is_file():
+        return path
+    return None
+
+
+def planner_model(name: str, memory_savers: str | frozenset[str] = frozenset()) -> PlannedModel | None:
+    """The planner's model for a family preset named ``name`` (case-insensitive) or a family's Hugging Face
+    ``config.json`` (the file or its folder), with ``memory_savers`` on; None when neither (the caller then
+    reads a bundled or SimuMax JSON)."""
+    for entry in FAMILIES.values():
+        for known in entry.planner_names:
+            if known.name == name.lower():
+                config = entry.load(entry.config_class).preset(known.preset, memory_savers=memory_savers)
+                spec = _spec(entry, config)
+                return PlannedModel(dataclasses.replace(
+                    spec, name=known.plan_name,
+                    source=f"{entry.module} preset {known.preset!r}, declared saved bytes"))
+    path = _config_path(name)
+    if path is None:
         return None
-    package, config_class, preset, model_name = entry
-    config = getattr(importlib.import_module(package), config_class).preset(preset)
-    spec = importlib.import_module(f"{package}.spec").planner_spec(config)
-    return dataclasses.replace(spec, name=model_name, source=f"{package} preset {preset!r}, declared saved bytes")
+    data = read_config(path)
+    if "model_type" not in data:
+        return None  # a SimuMax description
+    entry = family_entry(str(data["model_type"]))
+    config = entry.load(entry.config_class).from_hf(data, memory_savers=memory_savers)
+    spec = _spec(entry, config)
+    read = [k for k in data if k in entry.cost_keys]
+    ignored = [k for k in data if k not in entry.cost_keys]
+    note = (f"{path}: model_type {data['model_type']!r}, read by {entry.config_class}; the plan's model is built from "
+            f"{', '.join(read)}; ignored (no effect on the plan's cost): {', '.join(ignored) or 'none'}")
+    name_of = str(data.get("_name_or_path") or (path.parent.name if path.name == "config.json" else path.stem))
+    return PlannedModel(dataclasses.replace(spec, name=name_of, source=f"{path.name} via {entry.config_class}"), note)

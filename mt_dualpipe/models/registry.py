@@ -1,8 +1,11 @@
-"""One entry point for every family: ``from_pretrained(path)`` reads ``config.json``'s ``model_type``.
+"""The families, in one table: ``from_pretrained(path)`` reads ``config.json``'s ``model_type``, and the planner
+takes a family's preset by name or its ``config.json`` as shipped (``planner_specs.py``).
 
-A family is registered by ``model_type`` -> (module, class name) and imported only when asked for,
-so loading a Qwen3-MoE checkpoint never imports DeepSeek-V3 and vice versa. The class must offer
-``from_pretrained(path, **kwargs)`` (and ``save_pretrained`` back to the same layout).
+A family is registered by ``model_type`` -> ``Family`` (its package, model class and config class, the names
+``mt-dualpipe plan --model`` knows its presets by, and the Hugging Face config keys that shape the planner's
+model) and imported only when asked for, so loading a Qwen3-MoE checkpoint never imports DeepSeek-V3 and vice
+versa. The model class offers ``from_pretrained(path, **kwargs)`` (and ``save_pretrained`` back to the same
+layout); the config class ``preset(name, **overrides)`` and ``from_hf(data, **overrides)``.
 """
 
 from __future__ import annotations
@@ -10,38 +13,89 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAMILIES: dict[str, tuple[str, str]] = {
-    "qwen3_moe": ("mt_dualpipe.models.qwen3_moe", "Qwen3MoeForCausalLM"),
-    "llama": ("mt_dualpipe.models.llama", "LlamaForCausalLM"),
-    "deepseek_v3": ("mt_dualpipe.models.deepseek_v3", "DeepSeekV3Model"),
-    "llava": ("mt_dualpipe.models.llava", "LlavaForConditionalGeneration"),
+
+@dataclass(frozen=True)
+class PlannerName:
+    """A name ``mt-dualpipe plan --model`` takes for one of the family's presets, and the plan's name for it."""
+
+    name: str
+    preset: str
+    plan_name: str
+
+
+@dataclass(frozen=True)
+class Family:
+    module: str  # the family's package
+    model_class: str  # the whole model (``from_pretrained`` / ``save_pretrained``)
+    config_class: str  # ``preset(name, **overrides)`` and ``from_hf(data, **overrides)``
+    planner_names: tuple[PlannerName, ...] = ()
+    cost_keys: tuple[str, ...] = ()  # config.json keys the planner's model is built from (sizes and counts)
+
+    def load(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self.module), attr)
+
+
+_GQA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family("mt_dualpipe.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                        (PlannerName("qwen3-moe", "30b-a3b", "qwen3_30b_a3b"),
+                         PlannerName("qwen3-30b-a3b", "30b-a3b", "qwen3_30b_a3b")),
+                        _GQA_KEYS + ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                     "decoder_sparse_step", "mlp_only_layers")),
+    "llama": Family("mt_dualpipe.models.llama", "LlamaForCausalLM", "LlamaConfig",
+                    (PlannerName("llama3-8b", "8b", "llama3_8b"), PlannerName("llama-3.1-8b", "8b", "llama3_8b")),
+                    _GQA_KEYS),
+    "deepseek_v3": Family("mt_dualpipe.models.deepseek_v3", "DeepSeekV3Model", "DeepSeekV3Config", (),
+                          ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                           "num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "n_routed_experts",
+                           "n_shared_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank",
+                           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers")),
+    "llava": Family("mt_dualpipe.models.llava", "LlavaForConditionalGeneration", "LlavaConfig"),
 }
 
 
-def register_family(model_type: str, module: str, class_name: str) -> None:
+def register_family(model_type: str, module: str, class_name: str, config_class: str = "") -> None:
     """Make ``from_pretrained`` load ``model_type`` checkpoints with ``module.class_name``."""
-    FAMILIES[model_type] = (module, class_name)
+    FAMILIES[model_type] = Family(module, class_name, config_class)
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (the file, or the folder holding it) as a dict."""
+    cfg = Path(path)
+    if cfg.is_dir():
+        cfg = cfg / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face checkpoint folder)")
+    data = json.loads(cfg.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{cfg} holds a {type(data).__name__}, not a config object")
+    return data
 
 
 def model_type_of(path: str | os.PathLike) -> str:
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face checkpoint folder)")
-    model_type = json.loads(cfg.read_text()).get("model_type")
+    model_type = read_config(path).get("model_type")
     if not model_type:
-        raise ValueError(f"{cfg} has no model_type")
+        raise ValueError(f"{path} has no model_type")
     return str(model_type)
+
+
+def family_entry(model_type: str) -> Family:
+    """The registered ``Family`` of ``model_type`` (a clear error naming the registered ones otherwise)."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; registered: {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
 
 
 def family(model_type: str) -> type:
     """The model class registered for ``model_type`` (imported now)."""
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported; registered: {sorted(FAMILIES)}")
-    module, name = FAMILIES[model_type]
-    return getattr(importlib.import_module(module), name)
+    entry = family_entry(model_type)
+    return entry.load(entry.model_class)
 
 
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Any:

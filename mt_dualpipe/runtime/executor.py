@@ -34,6 +34,7 @@ from ..schedules.timeline import TimelineEvent
 from .activation_bytes import ActivationBytes
 from .comm import P2P, message_key
 from .errors import PipelineError
+from .overlap import overlap_enabled, overlap_wanted, run_overlapped
 from .stage import Stage
 from .weight_grad import WeightGradStore
 
@@ -434,7 +435,8 @@ class Executor:
         return start
 
     def _fb_unit(self, e: PlannedFB) -> float:
-        """An F&B unit: the stage class's ``overlapped_forward_backward`` if it has one, else F then B.
+        """An F&B unit: the stage class's ``overlapped_forward_backward`` if it has one; else F and B as two
+        sides handing over at the stages' overlap points (``overlap.py``) once any module has one; else F then B.
 
         Returns when its compute started (after both halves' inputs arrived).
         """
@@ -442,9 +444,18 @@ class Executor:
         inputs0 = f.fetch()
         grads1 = b.fetch()
         start = time.time()
-        if e.overlapped is None:
-            self._forward(f.stage, f.op.mb, inputs0)
-            self._backward(b, grads1)
+        if e.overlapped is None or not overlap_enabled():
+            if not overlap_wanted():  # nothing in this process communicates mid-stage: F then B
+                self._forward(f.stage, f.op.mb, inputs0)
+                self._backward(b, grads1)
+                return start
+            st = f.stage
+            run_overlapped(lambda: st.forward(f.op.mb, inputs0, self.criterion if st.is_last else None,
+                                              self._labels(st, f.op.mb), self.training, self.keep_outputs),
+                           lambda: b.stage.backward(b.op.mb, grads1, split=b.kind is B))
+            self._note_forward(st, f.op.mb, inputs0)  # the bookkeeping in F-then-B order
+            if b.kind is not B:
+                self.live -= 1
             return start
         sf, sb, mf, mb = f.stage, b.stage, f.op.mb, b.op.mb
         criterion0 = self.criterion if sf.is_last else None

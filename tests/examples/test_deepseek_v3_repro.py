@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mt_dualpipe.data.text import PackedText, load_tokenizer
-from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS
+from mt_dualpipe.layers.savers import MEMORY_SAVERS
 from tests.helpers.text import train_tokenizer, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from mt_dualpipe.fp8 import convert_to_fp8
 from mt_dualpipe.fp8.quantize import dequantize, quantize_tiles
+from mt_dualpipe.layers.expert_parallel import fp8_row_bytes, pack_fp8, unpack_fp8
+from mt_dualpipe.layers.mlp import SwiGLUMLP
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
-from mt_dualpipe.models.deepseek_v3.expert_parallel import fp8_row_bytes, pack_fp8, unpack_fp8
-from mt_dualpipe.models.deepseek_v3.moe import MLP, MoE
+from mt_dualpipe.models.deepseek_v3.moe import MoE
 from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
 
@@ -92,13 +93,13 @@ def _saved_bytes(fn) -> int:
 
 def test_fp8_experts_keep_one_fp8_copy_of_their_input():
     torch.manual_seed(0)
-    mlp = convert_to_fp8(torch.nn.Sequential(MLP(256, 128)), backend="emulated")[0]
+    mlp = convert_to_fp8(torch.nn.Sequential(SwiGLUMLP(256, 128)), backend="emulated")[0]
     x = torch.randn(32, 256, requires_grad=True)
     shared = _saved_bytes(lambda: mlp(x))
-    separate = _saved_bytes(lambda: mlp.w2(torch.nn.functional.silu(mlp.w1(x)) * mlp.w3(x)))
+    separate = _saved_bytes(lambda: mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
     fp8_copy = 32 * 256 + 32 * 2 * 4  # E4M3 values + one fp32 scale per 1x128 tile
     assert separate - shared == fp8_copy
-    assert torch.equal(mlp(x), mlp.w2(torch.nn.functional.silu(mlp.w1(x)) * mlp.w3(x)))
+    assert torch.equal(mlp(x), mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)))
 
 
 def _ep_worker(rank, world):

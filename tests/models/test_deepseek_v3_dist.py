@@ -58,7 +58,7 @@ def _ep_worker(rank, world, savers=""):
     y.backward(dy[rows])
     torch.testing.assert_close(y, y_ref[rows], rtol=0, atol=0)  # combine == ep=1, bit for bit
     if savers:  # the combine saver's gate weights travelled with the rows (and their gradient back)
-        assert shard.weight_before_down and shard.experts[str(shard.first_expert)].recompute_swiglu
+        assert shard.weight_before_down and shard.experts[str(shard.first_expert)].recompute_product
     torch.testing.assert_close(x_loc.grad, x_ref.grad[rows], rtol=1e-6, atol=1e-7)
     for name, p in shard.named_parameters():
         if name.startswith("experts."):  # each expert lives on one rank and saw every rank's tokens

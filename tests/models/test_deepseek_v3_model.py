@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
+from mt_dualpipe.layers.expert_parallel import DEFAULT_TIMEOUT
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
     DeepSeekV3Stage,
     build_stages,
     dualpipe_stage_ids,
-    expert_parallel,
     parse_layout,
     set_aux_loss_scale,
     sync_replicas,
@@ -47,7 +47,7 @@ def test_671b_parameter_counts_on_meta_device():
     # 58 MoE layers of 256 routed + 1 shared SwiGLU experts of width 2048, 3 dense layers of width 18432
     layer = model.layers["3"]
     assert len(layer.ffn.experts) == 256 and layer.ffn.gate.weight.shape == (256, 7168)
-    assert model.layers["2"].ffn.w1.weight.shape == (18432, 7168)
+    assert model.layers["2"].ffn.gate_proj.weight.shape == (18432, 7168)
     assert layer.attn.wq_b.weight.shape == (128 * 192, 1536) and layer.attn.wkv_a.weight.shape == (512 + 64, 7168)
 
 
@@ -314,7 +314,7 @@ def test_aux_loss_scale_and_ep_timeout_are_per_model():
     assert not torch.allclose(grads[2], grads[0])
     assert set_timeout(build_stages(config, 2, source=a), 7.5) == 2
     assert set_timeout(a, 3) == 2 and {m.ep_timeout for m in moe_layers(a)} == {3.0}
-    assert {m.ep_timeout for m in moe_layers(b)} == {expert_parallel.DEFAULT_TIMEOUT}
+    assert {m.ep_timeout for m in moe_layers(b)} == {DEFAULT_TIMEOUT}
     with pytest.raises(ValueError, match="the expert all-to-all timeout must be positive, got 0.0"):
         set_timeout(a, 0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mt_dualpipe.layers import GQAttention, LocalDispatch, RopeSpec, SoftmaxTopKRouter, SwiGLUMLP, cos_sin
+from mt_dualpipe.layers import Dispatcher, GQAttention, RopeSpec, SoftmaxTopKRouter, SwiGLUMLP, cos_sin
 from mt_dualpipe.layers import inv_freq as our_inv_freq
 from mt_dualpipe.models.recompute import DeclaresRecompute
 from tests.helpers.hf_reference import float64_transformers, relative_error
@@ -61,7 +61,7 @@ def test_dispatch_combine_equals_a_dense_loop_over_experts():
     experts = [SwiGLUMLP(8, 6).double() for _ in range(5)]
     x = torch.randn(13, 8, dtype=torch.float64)
     routing = router(x)
-    d = LocalDispatch(5)
+    d = Dispatcher(5)
     rows, plan = d.dispatch(x, routing)
     assert sum(plan.expert_rows) == 26 and torch.equal(routing.indices.flatten()[plan.pair_of].sort().values,
                                                         routing.indices.flatten()[plan.pair_of])

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from mt_dualpipe.fp8 import convert_to_fp8
+from mt_dualpipe.layers.savers import MEMORY_SAVERS, parse_memory_savers
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
-from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS, parse_memory_savers
 from mt_dualpipe.models.deepseek_v3.mla import RMSNorm
 
 pytestmark = pytest.mark.kernels  # two float paths compared: .ci/run repeats it on other CPU kernels
@@ -89,7 +89,7 @@ def test_fp8_cached_swiglu_inputs_stay_within_the_fp8_recipes_error():
     loss_fp8, fp8 = _run(WIDE, "", torch.bfloat16, fp8=True)
     loss, got = _run(WIDE, "swiglu", torch.bfloat16, fp8=True)
     assert torch.equal(loss, loss_fp8)  # the forward uses the exact inputs
-    swiglu_params = [n for n in fp8 if ".w1." in n or ".w3." in n]
+    swiglu_params = [n for n in fp8 if ".gate_proj." in n or ".up_proj." in n]
     assert len(swiglu_params) > 10
     worst = 0.0
     for name in fp8:
@@ -134,12 +134,12 @@ def test_fp8_swiglu_down_defers_its_weight_gradient_to_w():
     """With FP8 linears the SwiGLU saver keeps neither the product nor w2's input: B rebuilds the product, and
     w2's weight-gradient GEMM, queued for W, holds its FP8 copy. B then W gives the unsplit gradients exactly."""
     from mt_dualpipe.fp8.linear import FP8Linear
-    from mt_dualpipe.models.deepseek_v3.moe import MLP
+    from mt_dualpipe.layers.mlp import SwiGLUMLP
     from mt_dualpipe.runtime.weight_grad import WeightGradStore
 
     torch.manual_seed(0)
-    mlp = convert_to_fp8(MLP(128, 256, recompute_swiglu=True), backend="emulated")
-    assert isinstance(mlp.w2, FP8Linear)
+    mlp = convert_to_fp8(SwiGLUMLP(128, 256, recompute_product=True), backend="emulated")
+    assert isinstance(mlp.down_proj, FP8Linear)
     x = torch.randn(2, 8, 128, requires_grad=True)
     row_w = torch.rand(2, 8, 1, requires_grad=True)
     dy = torch.randn(2, 8, 128)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mt_dualpipe.layers import LocalDispatch, MoEBlock, SigmoidGroupLimitedRouter, SoftmaxTopKRouter
+from mt_dualpipe.layers import Dispatcher, MoEBlock, SigmoidGroupLimitedRouter, SoftmaxTopKRouter
 from mt_dualpipe.layers.balance import switch_balance_loss
 from mt_dualpipe.layers.router import group_limited_topk
 from mt_dualpipe.models import from_pretrained
@@ -145,7 +145,7 @@ def test_sigmoid_group_limited_router_routes_as_deepseek_v3s_gate():
     assert max(len(set(r.tolist())) for r in idx // 4) <= 2
     # in a MoEBlock (local dispatch): the router plugs in without touching dispatch, experts or combine
     block = MoEBlock(256, 32, ours).double()
-    assert isinstance(block.dispatcher, LocalDispatch)
+    assert isinstance(block.dispatcher, Dispatcher) and not block.dispatcher.communicates
     assert block(x.view(5, 10, 256)).shape == (5, 10, 256)
 
 
@@ -194,11 +194,11 @@ def test_deepseek_v3s_own_gate_drives_the_shared_moe_block_as_its_moe():
     with torch.no_grad():
         for i, expert in block.experts.items():
             mine = ds.experts[i]
-            expert.gate_proj.weight.copy_(mine.w1.weight)
-            expert.up_proj.weight.copy_(mine.w3.weight)
-            expert.down_proj.weight.copy_(mine.w2.weight)
-        block.shared_expert.gate_proj.weight.copy_(ds.shared_experts.w1.weight)
-        block.shared_expert.up_proj.weight.copy_(ds.shared_experts.w3.weight)
-        block.shared_expert.down_proj.weight.copy_(ds.shared_experts.w2.weight)
+            expert.gate_proj.weight.copy_(mine.gate_proj.weight)
+            expert.up_proj.weight.copy_(mine.up_proj.weight)
+            expert.down_proj.weight.copy_(mine.down_proj.weight)
+        block.shared_expert.gate_proj.weight.copy_(ds.shared_experts.gate_proj.weight)
+        block.shared_expert.up_proj.weight.copy_(ds.shared_experts.up_proj.weight)
+        block.shared_expert.down_proj.weight.copy_(ds.shared_experts.down_proj.weight)
         h = torch.randn(3, 10, config.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
         assert relative_error(block(h), ds(h)) < 1e-12

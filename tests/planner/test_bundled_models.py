@@ -35,8 +35,8 @@ def test_plan_takes_the_qwen3_moe_model_from_the_family():
 
 
 def test_family_planner_models_read_the_declarations():
-    spec = planner_model("qwen3-30b-a3b")
-    assert planner_model("Qwen3-MoE") == spec and planner_model("deepseek-v3") is None
+    spec = planner_model("qwen3-30b-a3b").spec
+    assert planner_model("Qwen3-MoE").spec == spec and planner_model("deepseek-v3") is None
     config = Qwen3MoeConfig.preset("30b-a3b")
     assert spec.total_params() == planner_spec(config).total_params()
     declared = declared_saved(config)

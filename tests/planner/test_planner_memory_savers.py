@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mt_dualpipe.fp8.linear import FP8Linear
+from mt_dualpipe.layers.savers import MEMORY_SAVERS
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
-from mt_dualpipe.models.deepseek_v3.config import MEMORY_SAVERS
 from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter
 from mt_dualpipe.planner import ModelSpec
 from mt_dualpipe.planner.activations import FP8_LIN, SAVERS, memory_savers

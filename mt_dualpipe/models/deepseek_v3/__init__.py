@@ -24,9 +24,9 @@ Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3
 ``stages_for_rank(..., checkpoint=path)`` and ``save_pipeline_checkpoint(mods, path)`` from all ranks.
 """
 
+from ...layers.expert_parallel import fresh_mesh_group, mesh_ep_group
 from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
 from .config import DeepSeekV3Config
-from .expert_parallel import fresh_mesh_group, mesh_ep_group
 from .layout import parse_layout, stage_layer_ids
 from .model import (
     Block,

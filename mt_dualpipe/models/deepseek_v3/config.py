@@ -15,30 +15,11 @@ from typing import Any
 
 from ...layers.balance import PRIORITIES, strategy_overrides
 from ...layers.rope import RopeSpec
+from ...layers.savers import SaverSwitches
 from .hf_config import config_kwargs_from_hf, config_to_hf, read_config_json
 from .yarn import YarnScaling
 
 SCORING_FUNCS = ("sigmoid", "softmax")
-MEMORY_SAVERS = ("norm", "swiglu", "combine", "router", "attention", "loss", "mla_input")
-"""The activation-memory savers of the DeepSeek-V3 report (§3.2.3, §3.3.2) the modules implement, each a
-switch (``DeepSeekV3Config.memory_savers``; ``"all"`` names every one). What each keeps for backward
-is counted with the same rule by the planner (``planner/activations.py``):
-
-- ``norm``: every block/MLA/MTP RMSNorm keeps only its input and is recomputed in B (``layers.norm.RMSNorm``);
-- ``swiglu``: each SwiGLU (dense FFN, routed and shared experts) keeps only its two inputs, in E4M3
-  with 1×128 scales when its linears are FP8, and recomputes silu(gate)·up in B (``moe.SwiGLU``);
-- ``combine``: the gate weight multiplies the SwiGLU output before the down-projection, so the combine
-  is a plain sum that keeps no expert outputs (exact gradients: the weight's comes from the product
-  the SwiGLU rebuilds);
-- ``router``: the router's affinities are computed in float32 from its input as given, which is kept in
-  the model dtype (no float32 copies of the input or the router weight);
-- ``attention``: the core attention keeps q, k and v only and re-runs itself in B (a flash-style
-  kernel's footprint; the forward is the eager one, so logits are unchanged);
-- ``loss`` (not in the report's list, the largest single item of the last stage): the main and MTP
-  cross-entropies keep the model-dtype logits and rebuild the float32 log-softmax in B, instead of
-  keeping the float32 log-probabilities (vocab × 4 bytes per token and head);
-- ``mla_input``: with FP8 linears, MLA's two down-projections (``wq_a``, ``wkv_a``) share one E4M3 copy
-  of their input, as the SwiGLU's up-projections already do (each FP8 linear otherwise keeps its own)."""
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 CORE_ATTENTION = ("eager", "flash")
 """MLA's core attention (``DeepSeekV3Config.core_attention``): ``eager`` (einsum, softmax, einsum: autograd
@@ -69,25 +50,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def parse_memory_savers(value: str | Any) -> frozenset[str]:
-    """A set of ``MEMORY_SAVERS`` names from a comma-separated string or an iterable; ``"all"`` is every
-    saver, ``"none"`` or empty none. An unknown name raises ``ValueError`` naming the known ones."""
-    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value)
-    out: set[str] = set()
-    for name in names:
-        if name in ("", "none"):
-            continue
-        if name == "all":
-            out.update(MEMORY_SAVERS)
-        elif name in MEMORY_SAVERS:
-            out.add(name)
-        else:
-            raise ValueError(f"unknown memory saver {name!r}; choose from {', '.join(MEMORY_SAVERS)} or 'all'")
-    return frozenset(out)
-
-
 @dataclass(frozen=True)
-class DeepSeekV3Config:
+class DeepSeekV3Config(SaverSwitches):
     """Sizes of DeepSeek-V3 (defaults: the 671B model) plus the training-objective weights.
 
     ``mtp_loss_weight`` is λ, ``balance_loss_weight`` is α of the sequence-wise balance loss and
@@ -153,7 +117,7 @@ class DeepSeekV3Config:
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "memory_savers", parse_memory_savers(self.memory_savers))
+        self.check_savers()
         positive = ("vocab_size", "dim", "inter_dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
                     "n_activated_experts", "n_expert_groups", "n_limited_groups", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_seq_len")
@@ -198,10 +162,6 @@ class DeepSeekV3Config:
                 per_device < math.ceil(self.n_activated_experts / self.device_limit):
             raise ValueError(f"device_limit {self.device_limit} x {per_device} experts per device cannot hold "
                              f"n_activated_experts ({self.n_activated_experts})")
-
-    def saves(self, name: str) -> bool:
-        """Whether the memory saver ``name`` (``MEMORY_SAVERS``) is on."""
-        return name in self.memory_savers
 
     def with_balance(self, name: str) -> DeepSeekV3Config:
         """This config with the expert-balancing strategy ``name`` (``balancing.STRATEGIES``)."""

@@ -1,6 +1,6 @@
 """Our DeepSeek-V3 parameter names <-> the released checkpoint's (Hugging Face) tensor names.
 
-Module names here follow the reference inference code (``attn.wq_a``, ``ffn.w1``, ...), the
+Module names here follow the reference inference code (``attn.wq_a``, ``ffn.gate_proj``, ...), the
 checkpoint follows transformers (``self_attn.q_a_proj``, ``mlp.gate_proj``, ...). A block's names
 map component by component; the MTP module k (0-based) is checkpoint layer ``num_hidden_layers + k``
 holding ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's own tensors, and copies
@@ -18,8 +18,7 @@ from .config import DeepSeekV3Config
 _PARTS = {
     "attn": "self_attn", "ffn": "mlp", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj", "wkv_a": "kv_a_proj_with_mqa",
-    "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj", "w1": "gate_proj", "w2": "down_proj",
-    "w3": "up_proj", "bias": "e_score_correction_bias",
+    "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj", "bias": "e_score_correction_bias",
 }
 _PARTS_BACK = {v: k for k, v in _PARTS.items()}
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",

@@ -13,16 +13,15 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ...layers.common import deferred_init
-from ...layers.head import step_normalizer
+from ...layers.head import lm_loss, step_normalizer
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
 from .config import DeepSeekV3Config
 from .mla import MLA, RMSNorm
-from .moe import MLP, Gate, MoE
+from .moe import Gate, MoE, mlp
 
 
 class Block(nn.Module):
@@ -36,7 +35,7 @@ class Block(nn.Module):
         self.attn = MLA(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else \
-            MLP(config.dim, config.inter_dim, config.saves("swiglu"))
+            mlp(config.dim, config.inter_dim, config.saves("swiglu"))
 
     @property
     def is_moe(self) -> bool:
@@ -89,40 +88,11 @@ class MTPModule(nn.Module):
         return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
 
 
-def _ce(logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
-    """float32 cross-entropy, -100 targets masked: the mean, or the sum over ``normalizer``."""
-    if normalizer is None:
-        return F.cross_entropy(logits.float(), target)
-    return F.cross_entropy(logits.float(), target, reduction="sum") / normalizer
-
-
-class _CrossEntropy(torch.autograd.Function):
-    """``_ce`` keeping the logits as given (the ``"loss"`` saver): eager autograd keeps the float32
-    log-softmax (vocab × 4 bytes per token); B rebuilds it from the logits and differentiates the same
-    ops, so the gradient is bit-equal."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, normalizer: float | None) -> torch.Tensor:
-        ctx.save_for_backward(logits, target)
-        ctx.normalizer = normalizer
-        return _ce(logits, target, normalizer)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, target = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_()
-            loss = _ce(leaf, target, ctx.normalizer)
-        return torch.autograd.grad(loss, leaf, grad)[0], None, None
-
-
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
                   normalizer: float | None = None) -> torch.Tensor:
-    """Next-token loss in float32 (mean, or sum over ``normalizer``); ``keep_logits``: through
-    ``_CrossEntropy`` (the ``"loss"`` saver)."""
-    if keep_logits and torch.is_grad_enabled() and logits.requires_grad:
-        return _CrossEntropy.apply(logits, target, normalizer)
-    return _ce(logits, target, normalizer)
+    """Next-token loss in ``compute_dtype`` (mean, or sum over ``normalizer``), -100 targets masked;
+    ``keep_logits``: the ``"loss"`` saver (``layers.head.lm_loss``)."""
+    return lm_loss(logits, target, normalizer=normalizer, keep_logits=keep_logits)
 
 
 def step_normalizers(labels: torch.Tensor, mtp_depth: int, group: dist.ProcessGroup | None = None,

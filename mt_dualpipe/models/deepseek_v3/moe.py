@@ -26,8 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...fp8.linear import FP8Linear, fp8_swiglu_down
-from ...fp8.quantize import QTensor, dequantize, quantize_tiles
 from ...layers.balance import (
     AuxLoss,
     batch_balance_loss,
@@ -37,19 +35,12 @@ from ...layers.balance import (
     sequence_balance_loss,
 )
 from ...layers.common import compute_dtype
+from ...layers.expert_parallel import DEFAULT_TIMEOUT, DispatchPlan, all_to_all, ep_rank, ep_size, plan_dispatch
+from ...layers.mlp import SwiGLUMLP
 from ...layers.norm import rms_norm
 from ...layers.router import Router, Routing, chosen_weights, group_limited_topk
 from ...parallel.weight_kinds import set_weight_kind
 from .config import DeepSeekV3Config
-from .expert_parallel import (
-    DEFAULT_TIMEOUT,
-    DispatchPlan,
-    all_to_all,
-    ep_rank,
-    ep_size,
-    fp8_all_to_all,
-    plan_dispatch,
-)
 
 
 def set_aux_loss_scale(module: nn.Module | Sequence[nn.Module], scale: float) -> int:
@@ -63,57 +54,10 @@ def set_aux_loss_scale(module: nn.Module | Sequence[nn.Module], scale: float) ->
     return len(layers)
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    out = F.silu(gate) * up
-    return out if weight is None else out * weight
-
-
-def _keep(t: torch.Tensor, fp8: bool) -> torch.Tensor | QTensor:
-    return quantize_tiles(t.detach().reshape(-1, t.shape[-1])) if fp8 else t
-
-
-def _restore(kept: torch.Tensor | QTensor, like: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
-    return dequantize(kept).to(like[1]).view(like[0]) if isinstance(kept, QTensor) else kept
-
-
-class SwiGLU(torch.autograd.Function):
-    """silu(gate)·up (times a per-row ``weight`` when given) keeping only the inputs for B: the ``"swiglu"``
-    saver (DeepSeek-V3 report §3.3.2). With ``fp8`` the gate and up outputs are kept in E4M3 with one
-    float32 scale per 1×128 tile (``fp8.quantize_tiles``) and the product is rebuilt from their
-    dequantised values; otherwise they are kept as they are and the backward differentiates the same
-    ops as eager autograd (bit-equal gradients). The forward always uses the exact inputs.
-
-    ``weight`` (rows, 1) is the gate weight of the ``"combine"`` saver: multiplying it in here lets the
-    combine keep no expert outputs, and its gradient Σ grad·silu(gate)·up comes from the product B
-    rebuilds anyway."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor | None, fp8: bool) -> torch.Tensor:
-        ctx.fp8 = fp8
-        ctx.like = ((gate.shape, gate.dtype), (up.shape, up.dtype))
-        if fp8:  # all through save_for_backward: the runtime's saved-tensor hooks see (and count) them
-            g, u = _keep(gate, True), _keep(up, True)
-            ctx.save_for_backward(g.data, g.scale, u.data, u.scale, weight)
-        else:
-            ctx.save_for_backward(gate, up, weight)
-        return _swiglu(gate, up, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        saved = ctx.saved_tensors
-        if not ctx.fp8:
-            gate, up, weight = saved
-        else:
-            gate = _restore(QTensor(saved[0], saved[1], "tile"), ctx.like[0])
-            up = _restore(QTensor(saved[2], saved[3], "tile"), ctx.like[1])
-            weight = saved[4]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) if t is not None else None
-                      for t, need in zip((gate, up, weight), ctx.needs_input_grad)]
-            out = _swiglu(*leaves)
-        wanted = [t for t in leaves if t is not None and t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(got) if t is not None and t.requires_grad else None for t in leaves), None)
+def mlp(dim: int, inter_dim: int, recompute_product: bool = False) -> SwiGLUMLP:
+    """DeepSeek-V3's SwiGLU (dense FFN, each routed expert, the shared experts): the shared layer's, whose
+    product the ``"selective"`` policy leaves alone (DeepSeek-V3's selective recomputes MLA only)."""
+    return SwiGLUMLP(dim, inter_dim, recompute_product=recompute_product, selective=False)
 
 
 class RowWeights:
@@ -158,35 +102,6 @@ class _TakeRowWeights(torch.autograd.Function):
         box, ctx.box = ctx.box, None
         box.grad = grad_w
         return grad_rows, None
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: the dense FFN, each routed expert and the shared experts. ``recompute_swiglu``
-    (the ``"swiglu"`` saver): the product is computed by ``SwiGLU``, which keeps only its inputs; with FP8
-    linears by ``fp8.linear.fp8_swiglu_down`` with w2, so w2's input is not kept from F to B either."""
-
-    def __init__(self, dim: int, inter_dim: int, recompute_swiglu: bool = False) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, inter_dim, bias=False)
-        self.w2 = nn.Linear(inter_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter_dim, bias=False)
-        self.recompute_swiglu = recompute_swiglu
-
-    def forward(self, x: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """x -> w2(silu(w1 x)·w3 x); ``row_weight`` (rows, 1): the gate weight each row's output is scaled
-        by, applied before w2 (the ``"combine"`` saver)."""
-        fp8 = isinstance(self.w1, FP8Linear) and isinstance(self.w3, FP8Linear) and x.numel() > 0
-        if fp8:  # FP8 up-projections: quantise the input once; both GEMMs keep the same FP8 copy for dW.
-            xq = quantize_tiles(x.detach().reshape(-1, x.shape[-1]))
-            gate, up = self.w1(x, xq), self.w3(x, xq)
-        else:
-            gate, up = self.w1(x), self.w3(x)
-        needs = gate.requires_grad or up.requires_grad or (row_weight is not None and row_weight.requires_grad)
-        if self.recompute_swiglu and torch.is_grad_enabled() and needs:
-            if fp8 and isinstance(self.w2, FP8Linear) and self.w2.bias is None:  # the product is not kept either
-                return fp8_swiglu_down(gate, up, row_weight, self.w2)
-            return self.w2(SwiGLU.apply(gate, up, row_weight, fp8))
-        return self.w2(_swiglu(gate, up, row_weight))
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -310,10 +225,10 @@ class MoE(nn.Module):
         self.gate = Gate(config)
         # Keys are global expert ids, so a shard's state dict is a subset of the full model's.
         swiglu = config.saves("swiglu")
-        self.experts = nn.ModuleDict({str(i): MLP(config.dim, config.moe_inter_dim, swiglu)
+        self.experts = nn.ModuleDict({str(i): mlp(config.dim, config.moe_inter_dim, swiglu)
                                       for i in range(self.first_expert, self.first_expert + local)})
         set_weight_kind(self.experts, "expert")  # sharded over ep: gradients reduce over dp only
-        self.shared_experts = MLP(config.dim, config.n_shared_experts * config.moe_inter_dim, swiglu) \
+        self.shared_experts = mlp(config.dim, config.n_shared_experts * config.moe_inter_dim, swiglu) \
             if config.n_shared_experts else None
         self.weight_before_down = config.saves("combine")
         self.balance_loss_sum = 0.0  # detached sum of the balance loss values seen since the last reset
@@ -411,8 +326,8 @@ class MoE(nn.Module):
         """Route, dispatch, experts, combine. With the ``"combine"`` saver the gate weights travel with the
         rows and scale each expert's SwiGLU output before its down-projection (exact: w·W2 p = W2(w·p))."""
         weights, _, plan, rows = self.route(h)
-        send = fp8_all_to_all if self.fp8_dispatch else all_to_all
-        rows = send(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch", self.ep_timeout)
+        rows = all_to_all(rows, plan.recv_splits, plan.send_splits, self.ep_group, "dispatch", self.ep_timeout,
+                          self.fp8_dispatch)
         rows = self.run_experts(rows, plan)
         rows = all_to_all(rows, plan.send_splits, plan.recv_splits, self.ep_group, "combine", self.ep_timeout)
         return self.combine(rows, weights, plan, self.shared(h), h.shape)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .expert_parallel import DEFAULT_TIMEOUT, backward_name, ep_size, pack_fp8, start_all_to_all, unpack_fp8
+from ...layers.expert_parallel import DEFAULT_TIMEOUT, backward_name, ep_size, pack_fp8, post_all_to_all, unpack_fp8
 
 Steps = Generator[None, None, Any]
 
@@ -85,7 +85,8 @@ class Tape:
         travel as E4M3 + tile scales (``pack_fp8``), their gradient comes back in ``x``'s dtype."""
         if ep_size(group) == 1 and not fp8:
             return lambda: x
-        wait = start_all_to_all(pack_fp8(x.detach()) if fp8 else x.detach(), out_rows, in_rows, group, what, timeout)
+        send = pack_fp8(x.detach()) if fp8 else x.detach()
+        wait = post_all_to_all(send, out_rows, in_rows, group, what, timeout) if ep_size(group) > 1 else lambda: send
 
         def done() -> torch.Tensor:
             y = wait()
@@ -119,7 +120,8 @@ class Tape:
             else:
                 _, x, y, out_rows, in_rows, group, what, timeout = rec
                 g = y.grad if y.grad is not None else torch.zeros_like(y)
-                wait = start_all_to_all(g, in_rows, out_rows, group, backward_name(what), timeout)
+                wait = post_all_to_all(g, in_rows, out_rows, group, backward_name(what), timeout) \
+                    if ep_size(group) > 1 else lambda g=g: g
                 yield
                 _add_grad(x, wait())
         input_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in self.entries]

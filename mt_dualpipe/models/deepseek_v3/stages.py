@@ -36,7 +36,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...fp8 import convert_to_fp8
+from ...layers.expert_parallel import mesh_ep_group
 from ...layers.replicas import parameter_grads, sum_copies
+from ...parallel.device import collective_device
 from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
@@ -44,7 +46,6 @@ from ..compile import check_backend, compile_stage
 from ..recompute import apply_recompute
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
 from .config import DeepSeekV3Config
-from .expert_parallel import mesh_ep_group
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .layout import parse_layout as parse_layout  # re-exported: it lived here before layout.py
 from .layout import stage_layer_ids
@@ -246,7 +247,9 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
 
 
 def _recomputed(stage: DeepSeekV3Stage, policy: str, backend: str | None = None) -> DeepSeekV3Stage:
-    """The recompute policy, and compilation when asked (which must wrap the policy's regions)."""
+    """The recompute policy, and compilation when asked (which must wrap the policy's regions); a stage without
+    a block (the embedding alone, at a depth the model barely fills) has nothing to rebuild."""
+    policy = policy if len(stage.layers) else "none"
     if backend is None:
         apply_recompute(stage, policy)
     else:
@@ -287,7 +290,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
     at ``seq_len`` tokens per sequence (default ``config.max_seq_len``): the cut ``mt-dualpipe plan``
     assumes for a run at that sequence length (``planner.stage_cut``).
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
-    (``expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
+    (``layers.expert_parallel.mesh_ep_group``) and ``rank`` must be this process's pp coordinate."""
     if mesh is not None:
         if ep_group is not None:
             raise ValueError("give stages_for_rank mesh= (the experts then shard over its ep group) or ep_group=, "
@@ -376,7 +379,10 @@ def sync_expert_load(modules: Sequence[nn.Module], dims: Any = None) -> None:
     index = {n: i for i, n in enumerate(names)}
     local = [(index[n], b) for m in modules for n, b in m.named_buffers() if n in index]
     width = modules[0].config.n_routed_experts
-    device = next(modules[0].parameters()).device  # nccl reduces device tensors; every rank's stage has weights
+    # nccl reduces device tensors: where this rank's weights are, or the collective's device for a rank whose
+    # stages hold none (pass-through stages at a depth the model barely fills)
+    held = next((t.device for m in modules for t in (*m.parameters(), *m.buffers())), None)
+    device = held if held is not None else collective_device()
     flat = torch.zeros(len(names), width, dtype=local[0][1].dtype if local else torch.float32, device=device)
     for i, b in local:
         flat[i] += b

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...layers.rope import RopeSpec, supported_scaling
+from ...layers.savers import SaverSwitches
 from ..hf_checkpoint import check_fp8_quantization
 
 
@@ -55,8 +56,9 @@ _ROPE_KEYS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """A Llama-3-architecture decoder: GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied or untied head."""
+class LlamaConfig(SaverSwitches):
+    """A Llama-3-architecture decoder: GQA attention with RoPE, SwiGLU MLP, RMSNorm, tied or untied head.
+    ``memory_savers``: the activation savers that are on (``layers.savers``; not a checkpoint field)."""
 
     vocab_size: int = 128256
     hidden_size: int = 4096
@@ -72,8 +74,10 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    memory_savers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        self.check_savers()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -129,7 +133,7 @@ class LlamaConfig:
         storage = ("quantization_config", "torch_dtype", "dtype")  # set by whoever writes the weights
         out.update({k: json.loads(v) for k, v in self.hf_extra if k not in storage})
         for f in fields(self):
-            if f.name not in ("rope_scaling", "hf_extra"):
+            if f.name not in ("rope_scaling", "hf_extra", "memory_savers"):
                 out[f.name] = getattr(self, f.name)
         out["head_dim"] = self.dim_per_head
         out["rope_scaling"] = None if self.rope_scaling is None else {"rope_type": "llama3",
@@ -146,7 +150,7 @@ def _rope(data: dict[str, Any]) -> tuple[float | None, Llama3RopeScaling | None]
 
 
 def _kwargs_from_hf(data: dict[str, Any]) -> dict[str, Any]:
-    own = {f.name for f in fields(LlamaConfig)} - {"hf_extra", "rope_scaling"}
+    own = {f.name for f in fields(LlamaConfig)} - {"hf_extra", "rope_scaling", "memory_savers"}
     known = own | set(_REQUIRED) | _METADATA | {"rope_scaling", "rope_parameters"}
     unknown = sorted(set(data) - known)
     if unknown:

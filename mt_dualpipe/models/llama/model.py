@@ -45,11 +45,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norm = c.saves("norm")
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm)
         self.self_attn = GQAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.dim_per_head,
-                                     c.rope)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
+                                     c.rope, core="recomputed" if c.saves("attention") else "eager")
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm)
+        self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, recompute_product=c.saves("swiglu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -70,7 +71,7 @@ class LlamaBody(nn.Module):
             self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in layer_ids})
         if norm:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.saves("norm"))
 
 
 def init_llama(module: nn.Module, std: float) -> None:
@@ -104,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits (batch, seq, vocab) without labels; with them the mean over this call's valid targets
         (a pipeline's criterion can instead normalise by the whole step's count: ``stages.criterion_for``)."""
         out = logits(self.model.norm(self.hidden(tokens)), self.head_weight())
-        return out if labels is None else lm_loss(out, labels)
+        return out if labels is None else lm_loss(out, labels, keep_logits=self.config.saves("loss"))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

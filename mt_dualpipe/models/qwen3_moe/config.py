@@ -14,12 +14,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ...layers.rope import RopeSpec
+from ...layers.savers import SaverSwitches
 
 MODEL_TYPE = "qwen3_moe"
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(SaverSwitches):
+    """``memory_savers``: the activation savers that are on (``layers.savers``; not a checkpoint field)."""
+
     vocab_size: int = 151936
     hidden_size: int = 2048
     intermediate_size: int = 6144
@@ -40,8 +43,10 @@ class Qwen3MoeConfig:
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    memory_savers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        self.check_savers()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -112,7 +117,7 @@ class Qwen3MoeConfig:
         return cls(**{**kwargs, **overrides})
 
     def to_hf(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "rope"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("rope", "memory_savers")}
         out["mlp_only_layers"] = list(self.mlp_only_layers)
         out.update(model_type=MODEL_TYPE, architectures=["Qwen3MoeForCausalLM"], hidden_act="silu",
                    attention_bias=False, use_sliding_window=False, rope_parameters=self.rope.to_hf())

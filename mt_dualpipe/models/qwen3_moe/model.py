@@ -18,7 +18,6 @@ from torch import nn
 
 from ...layers import (
     GQAttention,
-    LocalDispatch,
     MoEBlock,
     RMSNorm,
     SoftmaxTopKRouter,
@@ -39,16 +38,19 @@ class Qwen3MoeDecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.index = index
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norm, swiglu = c.saves("norm"), c.saves("swiglu")
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm)
         self.self_attn = GQAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rope,
-                                     qk_norm=True, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+                                     qk_norm=True, eps=c.rms_norm_eps, norm_recompute=norm,
+                                     core="recomputed" if c.saves("attention") else "eager")
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm)
         if c.is_moe_layer(index):
             router = SoftmaxTopKRouter(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
             self.mlp: nn.Module = MoEBlock(c.hidden_size, c.moe_intermediate_size, router, ep_group=ep_group,
-                                           balance_coef=c.balance_coef)
+                                           balance_coef=c.balance_coef, recompute_product=swiglu,
+                                           weight_before_down=c.saves("combine"))
         else:
-            self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size)
+            self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, recompute_product=swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.attend(x)
@@ -65,7 +67,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
         each SwiGLU (dense or expert) themselves."""
         if policy != "full":
             return
-        if isinstance(self.mlp, MoEBlock) and not isinstance(self.mlp.dispatcher, LocalDispatch):
+        if isinstance(self.mlp, MoEBlock) and self.mlp.dispatcher.communicates:
             yield self, "attend", "attention_sublayer"
             for expert in self.mlp.experts.values():
                 yield expert, "forward", "expert"
@@ -83,7 +85,7 @@ class Qwen3MoeBody(nn.Module):
             self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): Qwen3MoeDecoderLayer(config, i, ep_group) for i in layer_ids})
         if norm:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.saves("norm"))
 
 
 def init_qwen3_moe(module: nn.Module, std: float) -> None:
@@ -119,7 +121,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         out = logits(self.model.norm(h), self.head_weight())
         if labels is None:
             return out
-        loss = lm_loss(out, labels)
+        loss = lm_loss(out, labels, keep_logits=self.config.saves("loss"))
         if self.training and torch.is_grad_enabled() and self.config.balance_coef > 0:
             loss = loss + sum(m.last_balance_loss for m in self.modules() if isinstance(m, MoEBlock))
         return loss
