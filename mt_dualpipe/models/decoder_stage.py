@@ -30,7 +30,7 @@ from ..layers import MoEBlock, lm_loss, logits
 from ..runtime.deferred import defer_weight_grads as _defer_weight_grads
 from .compile import check_backend, compile_stage
 from .hf_checkpoint import open_checkpoint
-from .recompute import apply_recompute, check_policy
+from .recompute import apply_recompute, check_policy, stage_policy
 
 
 def stage_layer_ids(num_layers: int, num_stages: int, layout: Sequence[int] | None = None,
@@ -155,10 +155,9 @@ def stage_finisher(recompute: str, backend: str | None) -> Callable[[DecoderStag
     last stage's loss (its float upcast and softmax fuse)."""
     def finish(stage: DecoderStage) -> None:
         if backend is None:
-            apply_recompute(stage, recompute if len(stage.decoder.layers) else "none")  # no layer: nothing to rebuild
+            apply_recompute(stage, stage_policy(stage, recompute))
             return
-        compile_stage(stage, stage.compile_targets(), backend=backend,
-                      recompute=recompute if len(stage.decoder.layers) else "none")
+        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=stage_policy(stage, recompute))
         if stage.is_last:
             stage.loss_fn = torch.compile(lm_loss, backend=backend)
     return finish

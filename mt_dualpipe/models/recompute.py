@@ -111,6 +111,12 @@ class DeclaresRecompute(Protocol):
         ...
 
 
+def stage_policy(stage: nn.Module, policy: str) -> str:
+    """``policy`` for a family's stage, or ``"none"`` for one with no layer that declares regions (the embedding
+    alone, at a depth the model barely fills): nothing there to rebuild."""
+    return policy if any(isinstance(m, DeclaresRecompute) for m in stage.modules()) else "none"
+
+
 def apply_recompute(stage: nn.Module, policy: str) -> Counter:
     """Apply ``policy`` in place to every layer of ``stage`` (a stage or a whole model) that declares its
     regions (``DeclaresRecompute``); returns the counter of region runs, also kept as ``stage.recompute_calls``."""

@@ -237,7 +237,7 @@ def test_the_8b_planner_spec_counts_the_models_parameters():
     from mt_dualpipe.models import planner_model
     from mt_dualpipe.models.llama.spec import planner_spec
 
-    spec = planner_model("llama3-8b")
+    spec = planner_model("llama3-8b").spec
     assert spec.name == "llama3_8b" and spec.declared_saved is not None
     assert spec.total_params() == planner_spec(LlamaConfig.preset("8b")).total_params()
     assert spec.total_params() == 8_030_261_248  # LlamaForCausalLM's count on meta (the test above)

@@ -43,7 +43,7 @@ from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
 from ..compile import check_backend, compile_stage
-from ..recompute import apply_recompute
+from ..recompute import apply_recompute, stage_policy
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
@@ -249,7 +249,7 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
 def _recomputed(stage: DeepSeekV3Stage, policy: str, backend: str | None = None) -> DeepSeekV3Stage:
     """The recompute policy, and compilation when asked (which must wrap the policy's regions); a stage without
     a block (the embedding alone, at a depth the model barely fills) has nothing to rebuild."""
-    policy = policy if len(stage.layers) else "none"
+    policy = stage_policy(stage, policy)
     if backend is None:
         apply_recompute(stage, policy)
     else:
