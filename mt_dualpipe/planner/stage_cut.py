@@ -141,12 +141,14 @@ def layout_cost(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict
     return LayoutCost(tuple(counts), tuple(stages), ranks)
 
 
-def _compositions(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+def _compositions(n: int, parts: int, least: int = 0) -> Iterator[tuple[int, ...]]:
+    """Every way to put ``n`` blocks on ``parts`` stages, at least ``least`` on each."""
     if parts == 1:
-        yield (n,)
+        if n >= least:
+            yield (n,)
         return
-    for first in range(n + 1):
-        for rest in _compositions(n - first, parts - 1):
+    for first in range(least, n - least * (parts - 1) + 1):
+        for rest in _compositions(n - first, parts - 1, least):
             yield (first, *rest)
 
 
@@ -155,7 +157,8 @@ def _even(n: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
-def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[int, float]]) -> LayoutCost:
+def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[int, float]], least: int = 0
+             ) -> LayoutCost:
     """Take one block from a stage and give one to another (the blocks between shift by one) while the
     sorted loads get lighter; moving across several boundaries at once crosses the plateaus that
     one-boundary moves stop on."""
@@ -164,7 +167,7 @@ def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[in
     while True:
         moves = []
         for src in range(S):
-            if not best.counts[src]:
+            if best.counts[src] <= least:
                 continue
             for dst in range(S):
                 if dst != src:
@@ -182,26 +185,34 @@ def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[in
 
 
 def balance(model: ModelSpec, placement: Placement, seq_len: int,
-            num_microbatches_per_chain: Sequence[int] | None = None) -> LayoutCost:
+            num_microbatches_per_chain: Sequence[int] | None = None, min_blocks: int = 0) -> LayoutCost:
     """Blocks per stage for ``placement`` (``schedule.placement``: the rank of each chain's stages) that
     minimise the heaviest rank's modelled cost, then the heaviest stage's (module docstring), with the
-    modelled stage and rank loads."""
+    modelled stage and rank loads. ``min_blocks``: at least that many blocks on every stage (LLaVA keeps a
+    text layer on each stage when it has enough; DeepSeek-V3 lets a stage hold only the embedding or the head)."""
     if not placement or len({len(c) for c in placement}) != 1:
         raise ValueError(f"placement must list chains of equal length, got {placement!r}")
+    if min_blocks * len(placement[0]) > len(model.items(seq_len)) - 2:
+        raise ValueError(f"{len(placement[0])} stages of at least {min_blocks} block(s) need more than the model's "
+                         f"{len(model.items(seq_len)) - 2}")
     shares = None if num_microbatches_per_chain is None else tuple(num_microbatches_per_chain)
-    return _balance(piece_costs(model, seq_len), model.mtp_depth, tuple(tuple(c) for c in placement), shares)
+    return _balance(piece_costs(model, seq_len), model.mtp_depth, tuple(tuple(c) for c in placement), shares,
+                    min_blocks)
 
 
 @lru_cache(maxsize=256)
 def _balance(costs: PieceCosts, mtp_depth: int, placement: tuple[tuple[int, ...], ...],
-             shares: tuple[int, ...] | None) -> LayoutCost:
+             shares: tuple[int, ...] | None, least: int = 0) -> LayoutCost:
     """``balance`` on hashable arguments, cached: the planner asks for the same cut once per strategy."""
     S, n_layers = len(placement[0]), len(costs.blocks)
     weights = stage_weights(placement, shares)
-    if comb(n_layers + S - 1, S - 1) <= EXHAUSTIVE_LIMIT:
-        return min((layout_cost(costs, c, weights) for c in _compositions(n_layers, S)), key=LayoutCost.key)
-    starts = (_even(n_layers, S), count_layout(n_layers, mtp_depth, S))  # the block-count layout is a start
-    return min((_improve(costs, c, weights) for c in starts), key=LayoutCost.key)
+    if comb(n_layers - least * S + S - 1, S - 1) <= EXHAUSTIVE_LIMIT:
+        return min((layout_cost(costs, c, weights) for c in _compositions(n_layers, S, least)),
+                   key=LayoutCost.key)
+    starts = [_even(n_layers, S)]
+    if least == 0:
+        starts.append(count_layout(n_layers, mtp_depth, S))  # the block-count layout is a start
+    return min((_improve(costs, c, weights, least) for c in starts), key=LayoutCost.key)
 
 
 def balanced_counts(model: ModelSpec, placement: Placement, seq_len: int) -> list[int]:

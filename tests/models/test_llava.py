@@ -401,3 +401,22 @@ def test_the_planner_counts_what_the_vision_modules_declare_and_autograd_keeps(t
     planned = vision_costs(config).saved_elements(policy) * 4 * 3
     print(f"{tower} {policy}: planner {planned:.0f} B, autograd {meter.peak} B")
     assert planned == pytest.approx(meter.peak, rel=1e-9)
+
+
+def test_the_stage_cut_is_the_planners_with_a_layer_on_every_stage():
+    """One stage-cut search: LLaVA's layout is ``planner.stage_cut.balance`` on its planner model, each stage
+    keeping a text layer when there are enough (and the cut refuses a minimum the model cannot meet)."""
+    from mt_dualpipe.models.llava import balanced_layout
+    from mt_dualpipe.models.llava.spec import planner_spec
+    from mt_dualpipe.planner.stage_cut import balance
+    from mt_dualpipe.schedules import build_schedule
+
+    config = LlavaConfig.preset("tiny")
+    spec = planner_spec(config, 1.0)
+    for name, ranks in (("1f1b", 2), ("zbv", 2), ("1f1b", 4)):
+        placement = build_schedule(name, ranks, 2 * ranks).placement
+        got = balanced_layout(config, placement)
+        want = balance(spec, placement, config.text.max_position_embeddings, min_blocks=1).counts
+        assert got == list(want) and min(got) >= 1 and sum(got) == config.num_hidden_layers
+    with pytest.raises(ValueError, match=r"8 stages of at least 1 block\(s\) need more than the model's 4"):
+        balance(spec, build_schedule("zbv", 4, 8).placement, 256, min_blocks=1)
