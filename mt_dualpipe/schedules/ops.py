@@ -115,6 +115,9 @@ class KindRule:
     ``stream``: "compute" (occupies the rank) or "collective" (posted without blocking the rank,
     run on its communication stream in post order, complete once every chain's copy of the stage
     has posted — a data-parallel gradient reduction over the stage's replicas).
+    ``w_part``: the weight-gradient share of ``cost`` (what ``Costs.mb_scale_w`` scales; the rest
+    scales with ``Costs.mb_scale``); ``scaled``: False for a kind whose time is per stage and step,
+    not per micro-batch.
     """
 
     kind: OpKind
@@ -125,18 +128,30 @@ class KindRule:
     cost: Callable[[StageCosts, int], float]
     sends_to: int = 0
     stream: str = "compute"
+    w_part: Callable[[StageCosts, int], float] = lambda c, s: 0.0
+    scaled: bool = True
+
+    def scaled_cost(self, costs: StageCosts, stage: int, scale: float = 1.0, scale_w: float = 1.0) -> float:
+        """``cost`` of one micro-batch whose factors are ``scale`` (F/B work) and ``scale_w`` (W work)."""
+        total = self.cost(costs, stage)
+        if not self.scaled or scale == scale_w == 1.0:
+            return total
+        w = self.w_part(costs, stage)
+        return (total - w) * scale + w * scale_w
 
 
 RULES: dict[str, KindRule] = {
     F: KindRule(F, ((ACT, -1),), ACT, 1, 0, lambda c, s: c.f[s] + c.a2a_f[s], sends_to=+1),
     B: KindRule(B, ((ACT, 0), (GRAD, +1)), GRAD, 0, 0, lambda c, s: c.b[s] + c.a2a_b[s] + c.recompute[s],
                 sends_to=-1),
-    W: KindRule(W, ((GRAD, 0),), None, 0, 1, lambda c, s: c.w[s]),
+    W: KindRule(W, ((GRAD, 0),), None, 0, 1, lambda c, s: c.w[s], w_part=lambda c, s: c.w[s]),
     BW: KindRule(BW, ((ACT, 0), (GRAD, +1)), GRAD, 0, 1,
-                 lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s] + c.recompute[s], sends_to=-1),
+                 lambda c, s: c.b[s] + c.w[s] + c.a2a_b[s] + c.recompute[s], sends_to=-1,
+                 w_part=lambda c, s: c.w[s]),
     # one per (chain, stage) and step, placed after the stage's last W/BW on its rank (program
     # order is its only local input); see data_parallel.add_grad_reduction
-    REDUCE_GRAD: KindRule(REDUCE_GRAD, (), None, 0, 0, lambda c, s: c.dp_sync[s], stream="collective"),
+    REDUCE_GRAD: KindRule(REDUCE_GRAD, (), None, 0, 0, lambda c, s: c.dp_sync[s], stream="collective",
+                          scaled=False),
 }
 """One entry per compute kind; keyed by the plain string so that ``RULES[op.kind]`` is one dict hit."""
 
@@ -246,12 +261,21 @@ def signal_name(key: int, num_stages: int, num_microbatches: int) -> str:
     return f"{'B' if bit else 'F'}(c{c},s{s},m{m})"
 
 
-def op_cost(item: ComputeItem, costs: StageCosts) -> float:
-    """Time of an op or an FB unit (an FB hides the all-to-all; ``costs.fb`` if given)."""
+def op_cost(item: ComputeItem, costs: StageCosts,
+            scales: tuple[Sequence[float], Sequence[float]] | None = None) -> float:
+    """Time of an op or an FB unit (an FB hides the all-to-all; ``costs.fb`` if given).
+
+    ``scales``: per micro-batch slot, the (F/B, W) factors (``StageCosts.slot_scales``); None: all 1.
+    """
     if item.kind == "FB":
         f, b = item.f, item.b
-        return costs.fb_cost(f.stage, b.kind, b.stage)
-    return rule(item.kind).cost(costs, item.stage)
+        if scales is None:
+            return costs.fb_cost(f.stage, b.kind, b.stage)
+        k, kw = scales
+        return costs.fb_cost(f.stage, b.kind, b.stage, k[f.mb], k[b.mb], kw[b.mb])
+    if scales is None:
+        return rule(item.kind).cost(costs, item.stage)
+    return rule(item.kind).scaled_cost(costs, item.stage, scales[0][item.mb], scales[1][item.mb])
 
 
 def activation_effect(item: ComputeItem) -> tuple[int, int]:
@@ -291,6 +315,7 @@ class OpTable:
         if costs is not None:
             for k, r in RULES.items():
                 self._cost[k] = [r.cost(costs, s) for s in range(S)]
+        self._templates: dict[str, list[tuple]] | None = None
 
     def waits(self, op: Op) -> list[tuple[int, int, int]]:
         """(signal key, producing rank, producing stage) for each input of a plain op."""
@@ -318,8 +343,10 @@ class OpTable:
 
         A plain op ``(kind, c, s, m)`` waits for ``key + 2 * m`` of each ``(key, rank, stage)`` in
         ``waits`` and makes ``key + 2 * m`` of each key in ``makes``: the hot loops of the passes
-        add the offset instead of resolving every op.
+        add the offset instead of resolving every op. Built once per table (callers only read it).
         """
+        if self._templates is not None:
+            return self._templates
         S, M = self.S, self.M
         out: dict[str, list[tuple]] = {}
         for kind, r in RULES.items():
@@ -336,24 +363,35 @@ class OpTable:
                 cost = self._cost[kind][s] if self.costs is not None else 0.0
                 per.append((tuple(waits), made, cost, r.holds, r.frees))
             out[kind] = per
+        self._templates = out
         return out
 
-    def walk_table(self, latency: Sequence[float]) -> dict[str, list[tuple]]:
+    def walk_table(self, latency: Sequence[float],
+                   scales: tuple[Sequence[float], Sequence[float]] | None = None) -> dict[str, list[tuple]]:
         """``templates`` shaped for an event walk: per kind, per ``c * S + s``,
-        (waits, made, cost, holds, frees) where each wait is (key, hop, rank) — ``hop`` the
+        (waits, made, costs, holds, frees) where each wait is (key, hop, rank) — ``hop`` the
         latency added when the producer is on another rank (``latency[producing stage]``, else 0)
-        — and ``made`` is the one key a plain op makes, -1 for none, or ``COLLECTIVE`` for a kind
-        posted to the communication stream (``KindRule.stream == "collective"``).
+        — ``made`` is the one key a plain op makes, -1 for none, or ``COLLECTIVE`` for a kind
+        posted to the communication stream (``KindRule.stream == "collective"``), and ``costs[m]``
+        the op's time for micro-batch slot ``m`` (``scales``: its (F/B, W) factors, as
+        ``StageCosts.slot_scales`` gives them; None: every slot costs the same).
         """
         out: dict[str, list[tuple]] = {}
+        M, sc = self.M, self.costs
         for kind, per in self.templates().items():
             rows = []
+            rule_ = RULES[kind]
             for cs, (waits, made, cost, holds, frees) in enumerate(per):
                 me = self.rank_of[cs]
                 hops = tuple((k, latency[st] if rk != me else 0.0, rk) for k, rk, st in waits)
-                if RULES[kind].stream == "collective":
-                    rows.append((hops, COLLECTIVE, cost, holds, frees))
+                if scales is None or sc is None or not rule_.scaled:
+                    durs = [cost] * M
                 else:
-                    rows.append((hops, made[0] if made else -1, cost, holds, frees))
+                    s = cs % self.S
+                    durs = [rule_.scaled_cost(sc, s, k, kw) for k, kw in zip(*scales)]
+                if rule_.stream == "collective":
+                    rows.append((hops, COLLECTIVE, durs, holds, frees))
+                else:
+                    rows.append((hops, made[0] if made else -1, durs, holds, frees))
             out[kind] = rows
         return out

@@ -15,7 +15,9 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import compress, count, islice
+from operator import is_not, itemgetter
+from typing import NamedTuple
 
 from . import ops as K
 from ._perf import gc_paused
@@ -104,11 +106,14 @@ class _Walk:
     """The event walk's state: per rank [position, clock, live, peak, busy]; per signal its end time."""
 
     def __init__(self, schedule: Schedule, sc: StageCosts, record: bool, trace: list[list[tuple]] | None,
-                 resume: tuple[_Walk, int] | None = None) -> None:
-        """A walk of ``schedule``; ``resume=(old, rank)``: of ``old``'s schedule with ``rank``'s order changed.
+                 resume: tuple[_Walk, int, float] | None = None) -> None:
+        """A walk of ``schedule``; ``resume=(old, rank, t0)``: of ``old``'s schedule with ``rank``'s order
+        changed, every op that started before ``t0`` kept.
 
-        A resumed walk shares ``old``'s op table, its other ranks' op lists and its signal times
-        (copied: ``Replay.changed`` then unsets what it walks again).
+        A resumed walk shares ``old``'s op table and its other ranks' op lists, and copies its signal
+        times and ``made_at``: a signal whose producer started at or after ``t0`` (``made_at[key] >= t0``)
+        counts as not made until this walk makes it again (and sets ``made_at[key]`` to -1), so nothing
+        has to be unset.
         """
         P = schedule.num_ranks
         placement = schedule.placement
@@ -116,16 +121,28 @@ class _Walk:
         self.sc = sc
         self.fb_cost = sc.fb_cost
         if resume is None:
-            self.templates = _walk_table(placement, self.M, sc)
+            # per micro-batch slot, the (F/B, W) factors of the micro-batch it runs; None: all alike
+            self.scales = sc.slot_scales(getattr(schedule, "microbatch_order", None), self.M)
+            self.templates = _walk_table(placement, self.M, sc, self.scales)
             self.rank_ops = [_compute_items(ops) for ops in schedule.ranks]
             # one signal slot per (kind, chain, stage, mb), then two spare ones: ``trace`` records what an op
             # made as the slot's key or as the table's negative "made" code (-1 nothing, -2 ops.COLLECTIVE)
             self.end_of = [-1.0] * (2 * len(placement) * self.S * self.M + 2)
+            self.old_end = self.end_of  # a fresh walk has nothing to compare with: no signal ever "moved"
+            # per signal, the start of the op that made it (``Replay`` fills it in; -1: made by this walk)
+            self.made_at = [-1.0] * len(self.end_of)
+            self.t0 = math.inf
         else:
-            old, rank = resume
+            old, rank, self.t0 = resume
             self.templates, self.rank_ops, self.end_of = old.templates, list(old.rank_ops), list(old.end_of)
-            self.rank_ops[rank] = _compute_items(schedule.ranks[rank])
-        self.old_end = None if resume is None else resume[0].end_of  # what each signal's time was before
+            self.made_at = list(old.made_at)
+            self.scales = old.scales
+            # compute items only: a Replay's orders hold nothing else; rank None: every rank's order is new
+            if rank is None:
+                self.rank_ops = list(schedule.ranks)
+            else:
+                self.rank_ops[rank] = schedule.ranks[rank]
+            self.old_end = old.end_of  # what each signal's time was before
         self.moved: list[int] = []  # signals this walk made at another time than ``old_end`` says
         self.rejoin: _Rejoin | None = None  # set by ``Replay.changed``
         self.works: list[float] | None = None  # per rank, the compute time of all its items (``work``)
@@ -143,17 +160,20 @@ class _Walk:
         self.dp_sync = sc.dp_sync
         # what every resume of a rank reads, bound once
         self.ctx = (self.templates, self.end_of, self.waiters, self.stack, self.S,
-                    self.events if record else None, self.blocked_on, self.posts, trace)
+                    self.events if record else None, self.blocked_on, self.posts, trace, self.made_at, self.t0)
 
     def work(self, items: Sequence) -> float:
         """The compute time of ``items`` (of a rank's: what its busy time ends at)."""
-        templates, S, total = self.templates, self.S, 0.0
+        templates, S, total, scales = self.templates, self.S, 0.0, self.scales
         for item in items:
             if type(item) is FB:
                 f, b = item
-                total += self.fb_cost(f[2], b[0], b[2])
+                if scales is None:
+                    total += self.fb_cost(f[2], b[0], b[2])
+                else:
+                    total += self.fb_cost(f[2], b[0], b[2], scales[0][f[3]], scales[0][b[3]], scales[1][b[3]])
             else:
-                total += templates[item[0]][item[1] * S + item[2]][2]
+                total += templates[item[0]][item[1] * S + item[2]][2][item[3]]
         return total
 
     def rank_works(self) -> list[float]:
@@ -162,17 +182,21 @@ class _Walk:
             self.works = [self.work(ops) for ops in self.rank_ops]
         return self.works
 
+    def mark_made(self, keep: int | list[int]) -> None:
+        """Record in ``made_at`` the start of each op this walk ran (each rank's trace from ``keep[r]``, or from
+        ``keep`` on every rank): what the next replay's test of "kept or made again" reads."""
+        made_at = self.made_at
+        for r, tr in enumerate(self.trace):
+            for e in islice(tr, keep if type(keep) is int else keep[r], None):
+                made_at[e[5]] = made_at[e[6]] = e[0]  # a negative key is a spare slot
+
     def column(self, k: int) -> list:
         """One per-rank counter (1 clock, 2 live, 3 peak, 4 busy) as a list over ranks."""
         return [st[k] for st in self.state]
 
     def run(self, cutoff: Cutoff | None = None, work: list[float] | None = None) -> None:
-        stack = self.stack
         try:
-            if cutoff is None:
-                while stack:
-                    self.advance(stack.pop())
-            elif self.run_until(cutoff, work):
+            if self.walk(cutoff, work):
                 return
         except KeyError as exc:  # an op kind the op table does not know
             for r, ops in enumerate(self.rank_ops):
@@ -187,54 +211,189 @@ class _Walk:
             raise ScheduleError(_deadlock_message(self.rank_ops, pos, self.blocked_on, stuck, self.S, self.M))
         self.comm_end = self.run_collectives()
 
-    def run_until(self, cutoff: Cutoff, work: list[float]) -> bool:
-        """The walk, stopped as soon as ``cutoff`` rules its result out; True if it was stopped.
+    def walk(self, cutoff: Cutoff | None, work: list[float] | None) -> bool:  # noqa: C901 - the hot loop is one function
+        """Run the ranks on the stack, each until it waits for a signal not yet made (the compiler's hot
+        loop); True if ``cutoff`` stopped the walk (then ``over`` is set).
 
-        ``work[r]`` is the compute time of all rank ``r``'s items, so clock + work - busy is a lower
-        bound of when the rank ends; it only grows (an op that starts late moves it by the wait), so
-        (max of these + weight * their sum) after any resume is a lower bound of the finished walk's
-        makespan + weight * sum of rank ends. A peak only grows, so ``advance`` stops at the first
-        op over ``cutoff.peaks``.
+        A rank's counters live in locals while it runs and are written back when it parks or finishes.
+        An FB unit waits for both parts' inputs, costs one unit (``StageCosts.fb_cost``) and makes both
+        parts' signals at its end; it is handled inline too, with its own copy of the wait loop: a call
+        per unit cost 10-15 % of an annealing step, and one code path for both (a tuple of (waits,
+        offset) per op) 10-12 %. A rank resumes about twice per op it runs in an annealing replay, so
+        resuming it is inline as well, with the cut-off's bookkeeping after it.
 
+        With ``cutoff`` the walk stops as soon as its result is ruled out. ``work[r]`` is the compute
+        time of all rank ``r``'s items, so clock + work - busy is a lower bound of when the rank ends;
+        it only grows (an op that starts late moves it by the wait), so (max of these + weight * their
+        sum) after any resume is a lower bound of the finished walk's makespan + weight * sum of rank
+        ends. A peak only grows, so the walk stops at the first op over ``cutoff.peaks``.
         A replay (``rejoin`` set) also stops once it is back where the old walk was, and takes the
         old walk's rest (``_Rejoin``); and once the changed rank is past its changed items, every
         rank's end is at least its old end minus ``_Rejoin.floors``' bound, a tighter bound than the
         clock while a rank has idle gaps ahead.
         """
-        stack, state, weight, ceiling = self.stack, self.state, cutoff.weight, cutoff.score + 1e-9
-        self.caps = cutoff.peaks
-        if any(st[3] > cap for st, cap in zip(state, self.caps)):  # over already before the change
-            self.over = True
-            return True
-        ends = [st[1] + w - st[4] for st, w in zip(state, work)]
-        total, latest = sum(ends), max(ends)
-        rejoin, floor = self.rejoin, None
-        if rejoin is not None:
-            matches, changed, span_end = rejoin.matches, rejoin.rank, rejoin.hi
-            astray = {changed}  # ranks not where the old walk was
+        templates, end_of, waiters, stack, S, events, blocked_on, posts, trace, made_at, t0 = self.ctx
+        state, old_end, moved, scales, fb_cost, first = self.state, self.old_end, self.moved, self.scales, \
+            self.fb_cost, self.first
+        rank_ops = self.rank_ops
+        rejoin = floor = None
+        if cutoff is not None:
+            weight, ceiling, caps = cutoff.weight, cutoff.score + 1e-9, cutoff.peaks
+            self.caps = caps
+            if any(st[3] > cap for st, cap in zip(state, caps)):  # over already before the change
+                self.over = True
+                return True
+            ends = [st[1] + w - st[4] for st, w in zip(state, work)]
+            total, latest = sum(ends), max(ends)
+            rejoin = self.rejoin
+            if rejoin is not None:
+                changed, span_end, shift, old_trace = rejoin.rank, rejoin.hi, rejoin.shift, rejoin.old.trace
+                astray = {changed}  # ranks not where the old walk was
+        else:
+            caps = self.caps
         while stack:
             r = stack.pop()
-            self.advance(r)
-            if self.over:
-                return True
-            if rejoin is not None:
-                if matches(r):
-                    astray.discard(r)
+            ops, st = rank_ops[r], state[r]
+            cap = caps[r]
+            i, t_now, live, peak, busy = st
+            nops = len(ops)
+            over = False
+            while i < nops:
+                item = ops[i]
+                if type(item) is FB:
+                    (fk, fc, fs, fm), (bk, bc, bs, bm) = item
+                    wf, mf, _, hf, ff = templates[fk][fc * S + fs]
+                    wb, mb_, _, hb, fbb = templates[bk][bc * S + bs]
+                    t = 0.0
+                    for waits, off in ((wf, fm + fm), (wb, bm + bm)):
+                        for key, hop, owner in waits:
+                            key += off
+                            v = end_of[key]
+                            if v < 0 or made_at[key] >= t0:  # not made (again) yet
+                                waiters.setdefault(key, []).append(r)
+                                blocked_on[r] = (key, owner)
+                                t = -1.0
+                                break
+                            v += hop
+                            if v > t:
+                                t = v
+                        if t < 0:
+                            break
+                    if t < 0:  # parked on a missing input
+                        break
+                    start = t_now if t_now > t else t
+                    if not i:
+                        first[r] = start
+                    live += hf + hb
+                    if live > peak:
+                        peak = live
+                        if peak > cap:
+                            over = True
+                            break
+                    live -= ff + fbb
+                    if scales is None:
+                        dur = fb_cost(fs, bk, bs)
+                    else:
+                        dur = fb_cost(fs, bk, bs, scales[0][fm], scales[0][bm], scales[1][bm])
+                    t_now = start + dur
+                    made = mf + fm + fm if mf >= 0 else -1
+                    made2 = mb_ + bm + bm if mb_ >= 0 else -1
+                    for key in (made, made2):
+                        if key >= 0:
+                            end_of[key] = t_now
+                            made_at[key] = -1.0
+                            if old_end[key] != t_now:  # a fresh walk's old_end is its end_of: never
+                                moved.append(key)
+                            w = waiters.pop(key, None)
+                            if w:
+                                stack.extend(w)
+                    if events is not None:
+                        events.append(TimelineEvent(r, "FB", fc, fs, fm, start, t_now, (bk, bc, bs, bm)))
+                    busy += dur
+                    if trace is not None:
+                        trace[r].append((start, t_now, live, peak, busy, made, made2))
+                    i += 1
+                    continue
+                kind, c, s, m = item
+                waits, made, durs, holds, frees = templates[kind][c * S + s]
+                off = m + m
+                t = 0.0
+                for key, hop, owner in waits:
+                    key += off
+                    v = end_of[key]
+                    if v < 0 or made_at[key] >= t0:  # not made (again) yet
+                        waiters.setdefault(key, []).append(r)
+                        blocked_on[r] = (key, owner)
+                        t = -1.0
+                        break
+                    v += hop
+                    if v > t:
+                        t = v
+                if t < 0:  # parked on a missing input
+                    break
+                start = t_now if t_now > t else t
+                if not i:
+                    first[r] = start
+                live += holds
+                if live > peak:
+                    peak = live
+                    if peak > cap:  # over the activation limit: the cut-off walk stops here
+                        over = True
+                        break
+                live -= frees
+                if made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
+                    posts.append((r, c, s, start))
+                    dur = 0.0
                 else:
+                    dur = durs[m]
+                t_now = start + dur
+                if made >= 0:
+                    made += off
+                    end_of[made] = t_now
+                    made_at[made] = -1.0
+                    if old_end[made] != t_now:
+                        moved.append(made)
+                    w = waiters.pop(made, None)
+                    if w:
+                        stack.extend(w)
+                if events is not None and made != COLLECTIVE:
+                    events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
+                busy += dur
+                if trace is not None:
+                    trace[r].append((start, t_now, live, peak, busy, made, -1))
+                i += 1
+            st[:] = i, t_now, live, peak, busy
+            if over:
+                self.over = True
+                return True
+            if cutoff is None:
+                continue
+            if rejoin is not None:
+                # is rank r where the old walk was at the same point of its order (``_Rejoin.matches``)?
+                if r == changed and i <= span_end:  # still inside its changed items
                     astray.add(r)
+                else:
+                    j = i - 1 + shift if r == changed else i - 1
+                    if j < 0:  # nothing run yet: where every walk starts
+                        astray.discard(r)
+                    else:
+                        e = old_trace[r][j]
+                        if e[1] == t_now and e[2] == live and peak >= e[3]:
+                            astray.discard(r)
+                        else:
+                            astray.add(r)
                 if not astray and rejoin.settled():
                     rejoin.fill()
                     ends = self.column(1)
                     self.over = (max(ends) + weight * sum(ends) > ceiling
-                                 or any(st[3] > cap for st, cap in zip(state, self.caps)))
+                                 or any(st[3] > cap for st, cap in zip(state, caps)))
                     return self.over
-                if floor is None and r == changed and state[r][0] > span_end:
+                if floor is None and r == changed and i > span_end:
                     floor = rejoin.floors()
                     if floor:
                         ends = [e if e > f else f for e, f in zip(ends, floor)]
                         total, latest = sum(ends), max(ends)
-            st = state[r]
-            end = st[1] + work[r] - st[4]
+            end = t_now + work[r] - busy
             if floor and end < floor[r]:
                 end = floor[r]
             total += end - ends[r]
@@ -263,120 +422,7 @@ class _Walk:
                 self.events.append(TimelineEvent(r, K.REDUCE_GRAD, c, s, 0, start, free[r], None, "comm"))
         return free
 
-    def advance(self, r: int) -> None:  # noqa: C901 - the hot loop stays one function: a call per op costs
-        """Run rank ``r``'s ops until one waits for a signal not yet made (the compiler's hot loop).
-
-        The rank's counters live in locals here and are written back when it parks or finishes. An
-        FB unit waits for both parts' inputs, costs one ``fb_cost`` and makes both parts' signals at
-        its end; it is handled inline too, with its own copy of the wait loop: a method call per unit
-        cost 10-15 % of an annealing step, and one code path for both (a tuple of (waits, offset)
-        per op) 10-12 %.
-        """
-        templates, end_of, waiters, stack, S, events, blocked_on, posts, trace = self.ctx
-        ops, st, caps = self.rank_ops[r], self.state[r], self.caps
-        old_end, moved = self.old_end, self.moved
-        i, t_now, live, peak, busy = st
-        nops = len(ops)
-        while i < nops:
-            item = ops[i]
-            if type(item) is FB:
-                (fk, fc, fs, fm), (bk, bc, bs, bm) = item
-                wf, mf, _, hf, ff = templates[fk][fc * S + fs]
-                wb, mb_, _, hb, fbb = templates[bk][bc * S + bs]
-                t = 0.0
-                for waits, off in ((wf, fm + fm), (wb, bm + bm)):
-                    for key, hop, owner in waits:
-                        v = end_of[key + off]
-                        if v < 0:
-                            waiters.setdefault(key + off, []).append(r)
-                            blocked_on[r] = (key + off, owner)
-                            t = -1.0
-                            break
-                        v += hop
-                        if v > t:
-                            t = v
-                    if t < 0:
-                        break
-                if t < 0:  # parked on a missing input
-                    break
-                start = t_now if t_now > t else t
-                if not i:
-                    self.first[r] = start
-                live += hf + hb
-                if live > peak:
-                    peak = live
-                    if peak > caps[r]:
-                        self.over = True
-                        break
-                live -= ff + fbb
-                dur = self.fb_cost(fs, bk, bs)
-                t_now = start + dur
-                made = mf + fm + fm if mf >= 0 else -1
-                made2 = mb_ + bm + bm if mb_ >= 0 else -1
-                for key in (made, made2):
-                    if key >= 0:
-                        end_of[key] = t_now
-                        if old_end is not None and old_end[key] != t_now:
-                            moved.append(key)
-                        w = waiters.pop(key, None)
-                        if w:
-                            stack.extend(w)
-                if events is not None:
-                    events.append(TimelineEvent(r, "FB", fc, fs, fm, start, t_now, (bk, bc, bs, bm)))
-                busy += dur
-                if trace is not None:
-                    trace[r].append((start, t_now, live, peak, busy, made, made2))
-                i += 1
-                continue
-            kind, c, s, m = item
-            waits, made, dur, holds, frees = templates[kind][c * S + s]
-            off = m + m
-            t = 0.0
-            for key, hop, owner in waits:
-                v = end_of[key + off]
-                if v < 0:
-                    waiters.setdefault(key + off, []).append(r)
-                    blocked_on[r] = (key + off, owner)
-                    t = -1.0
-                    break
-                v += hop
-                if v > t:
-                    t = v
-            if t < 0:  # parked on a missing input
-                break
-            start = t_now if t_now > t else t
-            if not i:
-                self.first[r] = start
-            live += holds
-            if live > peak:
-                peak = live
-                if peak > caps[r]:  # over the activation limit: the cut-off walk stops here
-                    self.over = True
-                    break
-            live -= frees
-            if made == COLLECTIVE:  # posted to the comm stream: the rank goes on at once
-                posts.append((r, c, s, start))
-                dur = 0.0
-            t_now = start + dur
-            if made >= 0:
-                made += off
-                end_of[made] = t_now
-                if old_end is not None and old_end[made] != t_now:
-                    moved.append(made)
-                w = waiters.pop(made, None)
-                if w:
-                    stack.extend(w)
-            if events is not None and made != COLLECTIVE:
-                events.append(TimelineEvent(r, kind, c, s, m, start, t_now))
-            busy += dur
-            if trace is not None:
-                trace[r].append((start, t_now, live, peak, busy, made, -1))
-            i += 1
-        st[:] = i, t_now, live, peak, busy
-
-
-@dataclass(frozen=True)
-class Cutoff:
+class Cutoff(NamedTuple):
     """When a replayed order is of no interest, so its walk may stop early (``Replay.changed``).
 
     A search throws away an order over a rank's activation limit (``peaks``) or scoring above what
@@ -411,6 +457,7 @@ class Replay:
             _walk = _Walk(schedule, costs.per_stage(len(schedule.placement[0])), False,
                           [[] for _ in range(schedule.num_ranks)])
             _walk.run()
+            _walk.mark_made(0)
         if _walk.posts:
             raise ScheduleError("Replay simulates compute ops only; this order has REDUCE_GRAD ops")
         self._walk = _walk
@@ -436,16 +483,12 @@ class Replay:
         old = self._walk
         trace = old.trace
         t0 = trace[rank][index][0] if index < len(trace[rank]) else float("inf")
-        keep = [bisect_left(tr, t0, key=itemgetter(0)) for tr in trace]  # trace entries start with the op's start
+        keep = [bisect_left(tr, t0, key=_START) for tr in trace]  # trace entries start with the op's start
         keep[rank] = min(keep[rank], index)
         sched = copy.copy(self.schedule)  # the same schedule but for its orders (no re-validation)
         sched.ranks = ranks
-        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)], (old, rank))
-        end_of = walk.end_of
+        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)], (old, rank, t0))
         for r, k in enumerate(keep):
-            for entry in trace[r][k:]:  # what the replayed ops make is not made yet (negative: a spare slot)
-                end_of[entry[5]] = -1.0
-                end_of[entry[6]] = -1.0
             if k:
                 walk.state[r][:] = k, *trace[r][k - 1][1:5]
                 walk.first[r] = trace[r][0][0]
@@ -453,7 +496,7 @@ class Replay:
         shift = len(old_items) - len(new_items)
         if end is None:
             end = changed_span(old_items, new_items, index)[1]
-        walk.rejoin = _Rejoin(old, walk, rank, index, end, shift)
+        walk.rejoin = _Rejoin(old, walk, rank, index, end, shift, keep)
         walk.stack.remove(rank)
         walk.stack.append(rank)  # the changed rank first: the others may be back on the old walk sooner
         works = walk.works = list(old.rank_works())  # only the changed items' costs change (with their pairing)
@@ -461,8 +504,37 @@ class Replay:
         try:
             walk.run(cutoff or Cutoff([math.inf] * len(ranks)), works)
         finally:
-            taken, walk.rejoin, walk.old_end = walk.rejoin.taken, None, None  # keep no chain of walks alive
+            taken, walk.rejoin, walk.old_end = walk.rejoin.taken, None, walk.end_of  # keep no chain of walks alive
+        if not walk.over and not taken:  # walked to the end without rejoining the old walk
+            walk.mark_made(keep)
         return Replay(sched, self.costs, walk, sum(keep), taken)
+
+    def from_time(self, ranks: list[list], t0: float, cutoff: Cutoff | None = None) -> Replay:
+        """The replay of ``ranks``, whose every rank keeps this order's items that start before ``t0`` (the
+        same objects or equal ones) and may differ from there on: those items keep their times, the rest
+        is walked. What re-listing a cool-down needs (``auto.repair``); raises ``ScheduleError`` on
+        deadlock; with ``cutoff``, as ``changed``.
+        """
+        if self.over:
+            raise ScheduleError("this replay was stopped by its Cutoff (it holds only part of a walk); "
+                                "change the replay it was made from")
+        old = self._walk
+        trace = old.trace
+        keep = [bisect_left(tr, t0, key=_START) for tr in trace]
+        sched = copy.copy(self.schedule)
+        sched.ranks = ranks
+        walk = _Walk(sched, old.sc, False, [tr[:k] for tr, k in zip(trace, keep)], (old, None, t0))
+        for r, k in enumerate(keep):
+            if k:
+                walk.state[r][:] = k, *trace[r][k - 1][1:5]
+                walk.first[r] = trace[r][0][0]
+        olds = old.rank_works()  # a rank whose order is the same list keeps its work
+        walk.works = [w if ranks[q] is old.rank_ops[q] else walk.work(ranks[q]) for q, w in enumerate(olds)]
+        walk.run(cutoff or Cutoff([math.inf] * len(ranks)), walk.works)
+        walk.old_end = walk.end_of
+        if not walk.over:
+            walk.mark_made(keep)
+        return Replay(sched, self.costs, walk, sum(keep), 0)
 
     def times(self, rank: int) -> list[tuple[float, float]]:
         """(start, end) of each of ``rank``'s items in order: ``run_schedule``'s ``starts_out``/``ends_out``."""
@@ -489,8 +561,8 @@ class _Rejoin:
     old end minus that.
     """
 
-    def __init__(self, old: _Walk, walk: _Walk, rank: int, lo: int, hi: int, shift: int) -> None:
-        self.old, self.walk, self.rank, self.lo, self.hi = old, walk, rank, lo, hi
+    def __init__(self, old: _Walk, walk: _Walk, rank: int, lo: int, hi: int, shift: int, keep: list[int]) -> None:
+        self.old, self.walk, self.rank, self.lo, self.hi, self.keep = old, walk, rank, lo, hi, keep
         self.shift = shift  # old index - new index after the change
         self.consumers = _cross_consumers(walk)
         self.taken = 0  # items copied from the old walk
@@ -515,24 +587,32 @@ class _Rejoin:
     def settled(self) -> bool:
         """True if every signal made at a new time has been waited for by all its consumers on other ranks."""
         walk = self.walk
-        consumers, end_of = self.consumers, walk.end_of
+        consumers, made_at, t0 = self.consumers, walk.made_at, walk.t0
         if consumers is None:
             return False
-        walk.moved = [k for k in walk.moved if any(end_of[c] < 0 for c in consumers[k])]
-        return not walk.moved
+        left = []
+        for k in walk.moved:
+            for c in consumers[k]:
+                if made_at[c] >= t0:  # that consumer has not run (again) yet
+                    left.append(k)
+                    break
+        walk.moved[:] = left  # in place: the walk's loop holds the list
+        return not left
 
     def fill(self) -> None:
-        """Take the old walk's rest: every rank's remaining items with their old times and signals."""
+        """Take the old walk's rest: every rank's remaining items with their old times and signals.
+
+        The signals those items make still hold their old times (this walk made none of them), and
+        ``made_at`` their old starts; the items this walk ran get theirs (``_Walk.mark_made``).
+        """
         walk, old_trace = self.walk, self.old.trace
-        end_of = walk.end_of
+        walk.mark_made(self.keep)
         for q, st in enumerate(walk.state):
             p = st[0]
             j = p + (self.shift if q == self.rank else 0)
             tail = old_trace[q][j:]
             if not tail:
                 continue
-            for e in tail:
-                end_of[e[5]] = end_of[e[6]] = e[1]  # a negative key is a spare slot
             if q == self.rank:  # busy differs by the changed items' cost, the peak may be higher
                 extra, top = st[4] - (old_trace[q][j - 1][4] if j else 0.0), st[3]
                 tail = [(a, b, n, k if k > top else top, u + extra, m1, m2) for a, b, n, k, u, m1, m2 in tail]
@@ -571,12 +651,16 @@ def changed_span(old: Sequence, new: Sequence, lo: int = 0, hi: int | None = Non
     ``lo``/``hi``: ``new`` is known to keep ``old``'s items outside ``new[lo:hi + 1]`` (the scans start there).
     """
     n_old, n_new = len(old), len(new)
-    while lo < n_old and lo < n_new and old[lo] is new[lo]:
-        lo += 1
+    # the scans compare identities in C (annealing calls this three times a step)
+    lo = next(compress(count(lo), map(is_not, islice(old, lo, None), islice(new, lo, None))), min(n_old, n_new))
     hi_new = n_new - 1 if hi is None else hi
     hi_old = hi_new + n_old - n_new
-    while hi_old >= lo and hi_new >= lo and old[hi_old] is new[hi_new]:
-        hi_old, hi_new = hi_old - 1, hi_new - 1
+    steps = min(hi_old, hi_new) - lo + 1
+    if steps > 0:
+        same = next(compress(count(), map(is_not, islice(reversed(old), n_old - 1 - hi_old, None),
+                                          islice(reversed(new), n_new - 1 - hi_new, n_new - 1 - hi_new + steps))),
+                    steps)
+        hi_new -= same
     return lo, hi_new
 
 
@@ -613,6 +697,7 @@ def _cross_consumers(walk: _Walk) -> list[tuple[int, ...]] | None:
     return out
 
 
+_START = itemgetter(0)  # a trace entry's start
 _TABLES: OrderedDict[tuple, dict] = OrderedDict()
 _TABLES_MAX = 64
 
@@ -622,16 +707,18 @@ def _compute_items(ops: list) -> list:
     return [i for i in ops if type(i) is not CommBatch]
 
 
-def _walk_table(placement: tuple, M: int, sc: StageCosts) -> dict[str, list[tuple]]:
-    """``OpTable.walk_table`` for (placement, M, costs), reused across calls (a bounded LRU).
+def _walk_table(placement: tuple, M: int, sc: StageCosts,
+                scales: tuple[list[float], list[float]] | None = None) -> dict[str, list[tuple]]:
+    """``OpTable.walk_table`` for (placement, M, costs, slot factors), reused across calls (a bounded LRU).
 
     The ``auto`` search simulates thousands of candidate orders on one placement and cost
     profile; the table is the same for all of them.
     """
-    key = (placement, M, *(None if v is None else tuple(v) for v in (getattr(sc, f) for f in COST_FIELDS)))
+    key = (placement, M, *(None if v is None else tuple(v) for v in (getattr(sc, f) for f in COST_FIELDS)),
+           None if scales is None else (tuple(scales[0]), tuple(scales[1])))
     table = _TABLES.get(key)
     if table is None:
-        table = OpTable(placement, M, sc).walk_table(sc.comm)
+        table = OpTable(placement, M, sc).walk_table(sc.comm, scales)
         _TABLES[key] = table
         if len(_TABLES) > _TABLES_MAX:
             _TABLES.popitem(last=False)

@@ -48,6 +48,7 @@ from mt_dualpipe.schedules.auto.search import (
     ANNEAL_CHAIN_STEPS,
     ANNEAL_CHAINS,
     ANNEAL_MAX_STEPS,
+    ANNEAL_MEDIUM_STEPS,
     ANNEAL_WORK,
     SMALL_PROBLEM_OPS,
     anneal_plan,
@@ -436,10 +437,11 @@ def test_only_the_long_chains_of_large_problems_reach_farther_once_cold(monkeypa
     """The search's chain on a large problem and its hand chain get ``ANNEAL_COLD_REACH``; the short
     chains of small problems keep their reach (there twice the window spans much of a rank's order)."""
     import mt_dualpipe.schedules.auto.chains as chains_mod
+    import mt_dualpipe.schedules.auto.repair as repair_mod
     import mt_dualpipe.schedules.auto.search as search_mod
 
     got = []
-    real = search_mod.anneal
+    real = repair_mod.anneal
 
     def spy(*args, **kwargs):
         got.append(kwargs.get("cold_reach", 1))
@@ -447,8 +449,8 @@ def test_only_the_long_chains_of_large_problems_reach_farther_once_cold(monkeypa
             kwargs["work"] = 20_000  # a short chain: only what it is given matters here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(search_mod, "anneal", spy)
-    monkeypatch.setattr(chains_mod, "anneal", spy)
+    monkeypatch.setattr(repair_mod, "anneal", spy)  # the long chains, in parts between repairs
+    monkeypatch.setattr(chains_mod, "anneal", spy)  # the short ones
     monkeypatch.setattr(search_mod, "_caps_phase", lambda *args, **kwargs: None)  # most of the time, not at issue
     costs = Costs(1, 1, 1, a2a_f=1, a2a_b=1)
     build_schedule("auto", 2, 4, costs=costs, placement="v")  # 48 ops: short chains (three, and a capped start)
@@ -456,16 +458,18 @@ def test_only_the_long_chains_of_large_problems_reach_farther_once_cold(monkeypa
     got.clear()
     sched = build_schedule("auto", 4, 26, costs=costs, placement="v", workers=1)  # 624 ops: one long chain
     assert ANNEAL_COLD_REACH == 2 and len(sched.meta["hand_chains"]) == 1
-    assert got == [ANNEAL_COLD_REACH, ANNEAL_COLD_REACH]  # the search's chain, then the hand chain here
+    parts = len(repair_mod.REPAIR_CHECKPOINTS) + 1
+    assert got == [ANNEAL_COLD_REACH] * (2 * parts)  # the search's chain, then the hand chain here
 
 
 def test_search_ends_at_the_lower_bound():
-    """Uniform costs: the policy grid reaches the bound, so no walk, local search or annealing runs."""
+    """Uniform costs: DualPipe with its backwards split and W's late (``search.polish_hand``) reaches the bound,
+    so no grid, walk, local search or annealing runs."""
     sched = build_schedule("auto", 8, 24, placement="dual")
     meta = sched.meta
     bound = lower_bound(Layout.named("dual", 8, 24), Costs())
     assert meta["optimal"] and meta["makespan"] == meta["lower_bound"] == bound
-    assert meta["walks"] == 0 and meta["source"] == "list"
+    assert meta["walks"] == 0 and meta["source"] == "dualpipe+sink"
     assert meta["makespan"] < meta["baselines"]["dualpipe"]["makespan"]
 
 
@@ -474,7 +478,8 @@ def test_anneal_plan_many_short_chains_small_one_long_chain_large():
     large ones; ``iterations`` caps it."""
     assert SMALL_PROBLEM_OPS == 600 and ANNEAL_CHAINS == 3
     assert anneal_plan(Layout.named("v", 2, 4), None) == (3, ANNEAL_CHAIN_STEPS, None)  # 48 ops
-    assert anneal_plan(Layout.named("v", 4, 24), None) == (3, ANNEAL_CHAIN_STEPS, None)  # 576 ops
+    assert anneal_plan(Layout.named("v", 2, 12), None) == (3, ANNEAL_CHAIN_STEPS, None)  # 288 ops
+    assert anneal_plan(Layout.named("v", 4, 24), None) == (3, ANNEAL_MEDIUM_STEPS, None)  # 576 ops: medium
     assert anneal_plan(Layout.named("v", 4, 26), None) == (1, ANNEAL_MAX_STEPS, ANNEAL_WORK)  # 624 ops
     assert anneal_plan(Layout.named("dual", 8, 24), None) == (1, ANNEAL_MAX_STEPS, ANNEAL_WORK)
     assert anneal_plan(Layout.named("v", 8, 24), 15) == (1, 150, None)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from mt_dualpipe.schedules import Costs, build_schedule, validate
 from mt_dualpipe.schedules.auto import Layout, Policy, list_schedule
-from mt_dualpipe.schedules.auto import search as search_module
+from mt_dualpipe.schedules.auto import repair as repair_module
+from mt_dualpipe.schedules.auto.listsched import list_schedules_from
 from mt_dualpipe.schedules.auto.local import close_gaps, evaluate, renumber, split_backward
 from mt_dualpipe.schedules.auto.repair import (
+    anneal_repaired,
     cooldown_policies,
     pair_strays,
     prefix_before,
@@ -90,22 +92,23 @@ def test_the_prefix_is_what_started_before_the_cut():
 
 def test_the_search_relists_the_cooldown_of_its_bestorder_of(monkeypatch):
     calls = []
-    real = search_module.relist_cooldown
+    real = repair_module.relist_cooldown
 
     def spy(layout, costs, limits, ranks, *args, **kwargs):
         out = real(layout, costs, limits, ranks, *args, **kwargs)
         calls.append((ranks, out))
         return out
 
-    monkeypatch.setattr(search_module, "relist_cooldown", spy)
+    monkeypatch.setattr(repair_module, "relist_cooldown", spy)
     paired = []
-    real_pairs = search_module.pair_strays
-    monkeypatch.setattr(search_module, "pair_strays",
+    real_pairs = repair_module.pair_strays
+    monkeypatch.setattr(repair_module, "pair_strays",
                         lambda *a: paired.append(a[3]) or real_pairs(*a))
     # V, P=4, M=8, all-to-all 1.0 of F: the phases end at 76 with gaps closed; re-listing the cool-down gives 75
     costs = Costs(1, 1, 1, a2a_f=1, a2a_b=1)
     sched = build_schedule("auto", 4, 8, costs=costs, placement="v", seed=0, iterations=5)
-    assert len(calls) == 1  # the best order of the phases (no hand chains with iterations given)
+    # the best order of the phases (no hand chains with iterations given), then the two best stray pairings
+    assert len(calls) == 1 + repair_module.STRAY_RELISTS
     before, (relisted, makespan) = calls[0]
     layout = Layout.named("v", 4, 8)
     assert run_schedule(order_of(layout, before), costs, record=False).makespan == 76
@@ -114,7 +117,7 @@ def test_the_search_relists_the_cooldown_of_its_bestorder_of(monkeypatch):
     assert paired == [relisted]  # stray pairing starts from the re-listed order, and found nothing better here
     # a linear placement has no FB units to pair: the cool-down is re-listed, no strays are looked for
     build_schedule("auto", 3, 6, costs=Costs(1, 2, 1, comm=0.5), placement="linear", seed=0, iterations=5)
-    assert len(calls) == 2 and paired == [relisted]
+    assert len(calls) == 2 + repair_module.STRAY_RELISTS and paired == [relisted]
 
 
 def test_stray_pairings_pair_each_lone_f_with_the_nearest_lone_b_of_the_other_stage():
@@ -159,3 +162,39 @@ def test_a_unit_split_on_the_critical_rank_is_paired_again():
     # an order whose critical rank has no lone F has nothing to pair
     no_lone = [[x for x in ops if not (type(x) is Op and x.kind == OpKind.F)] for ops in ranks]
     assert all(stray_pairings(ops) == [] for ops in no_lone)
+
+
+def test_relisting_walks_the_shared_prefix_once_and_gives_each_policys_order():
+    """``list_schedules_from`` equals one prefixed walk per policy; ``Replay.from_time`` equals a full simulation."""
+    for layout, costs, limits, ranks in random_walk_orders(5, [0, 2]):
+        sc = costs.per_stage(layout.S)
+        replay = Replay(order_of(layout, ranks), costs)
+        for cut in (0.5, 0.8):
+            t_cut = cut * replay.makespan
+            prefix = prefix_before(ranks, replay, t_cut)
+            pols = cooldown_policies(layout.name, costs, layout.S)
+            got = list_schedules_from(layout, sc, limits, pols, prefix)
+            assert got == [list_schedule(layout, sc, limits, pol, prefix=prefix) for pol in pols]
+            for order in {tuple(map(tuple, x)) for x in got if x is not None}:
+                new = [list(ops) for ops in order]
+                full = run_schedule(order_of(layout, new), costs, record=False)
+                part = replay.from_time(new, t_cut)
+                assert (part.makespan, part.rank_end, part.peak_activations) == \
+                    (full.makespan, full.rank_end, full.peak_activations)
+                assert part.walked < sum(len(ops) for ops in new)  # what starts before the cut is not walked
+
+
+def test_a_repaired_chain_is_never_worse_than_its_start_and_repeats_itself():
+    import random
+
+    from mt_dualpipe.schedules.auto import ANNEAL_MOVES
+
+    layout, costs = Layout.named("v", 3, 6), Costs(1, 1, 1, a2a_f=1, a2a_b=1, comm=0.2)
+    start = split_backward([list(x) for x in build_schedule("dualpipev", 3, 6).ranks])
+    before = evaluate(layout, costs, start)[0]
+    runs = [anneal_repaired(layout, costs, [7] * 3, start, random.Random(3), 400, None, ANNEAL_MOVES, 0.006, 20_000,
+                            float("-inf"), 2, True) for _ in range(2)]
+    (ranks, makespan), again = runs
+    assert again == (ranks, makespan)  # seeded: the same order
+    assert makespan == evaluate(layout, costs, ranks)[0] < before
+    validate(order_of(layout, ranks))

@@ -18,6 +18,8 @@ CASES = [
     ("dualpipev", 4, 8, Costs(1, 1, 1, a2a_f=1, a2a_b=1, comm=0.1)),
     ("zbv", 3, 6, Costs(1, 2, 1, fb=2.5)),
     ("1f1b", 4, 8, Costs(1, 2, 0)),
+    ("dualpipev-uneven", 4, 8, Costs(1, 1, 1, a2a_f=1, a2a_b=1, comm=0.1, mb_scale=[1, 2.5, 1, 0.5, 3, 1, 1, 2],
+                                     mb_scale_w=[1, 1.5, 1, 0.5, 1, 1, 1, 1.5])),
 ]
 
 
@@ -30,7 +32,7 @@ def test_changed_equals_a_full_simulation(name, P, M, costs):
     """Random moves (deadlocking ones included), each replayed from its first changed index and
     compared with ``run_schedule`` on the whole order: makespan, every rank's end and peak."""
     rng = random.Random(0)
-    sched = build_schedule(name, P, M)
+    sched = build_schedule(name.split("-uneven")[0], P, M)
     ranks = split_backward(sched.ranks)
 
     def order(r):

@@ -38,6 +38,7 @@ against every proved optimum and every hand schedule of random profiles in the t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..costs import Costs, StageCosts
 from ..ops import BW, B, F, W, rule
@@ -167,8 +168,53 @@ def pairing_window_bound(layout: Layout, costs: Costs) -> float:
 
 
 def lower_bound(layout: Layout, costs: Costs) -> float:
-    """The largest per-rank bound (see the module docstring), the unpaired-F and pairing-window bounds included."""
+    """The largest per-rank bound (see the module docstring), the unpaired-F and pairing-window bounds included.
+
+    Uneven micro-batches (``Costs.mb_scale``): the bounds of the problem where every micro-batch costs
+    as little as the cheapest one (every op of this problem takes at least as long, so no schedule of
+    it ends sooner), and the work bound with each rank's work summed over the micro-batches as they
+    are (``uneven_work_bound``). Both hold whichever slot each micro-batch runs in.
+    """
+    if costs.mb_scale is not None:
+        return max(lower_bound(layout, cheapest(costs)), uneven_work_bound(layout, costs))
     return max(work_bound(layout, costs), unpaired_bound(layout, costs), pairing_window_bound(layout, costs))
+
+
+def cheapest(costs: Costs) -> Costs:
+    """``costs`` with every micro-batch as cheap as the cheapest: every compute time scaled by the smallest
+    factor, latency and gradient reduction as they are (they are not scaled), no per-micro-batch factors."""
+    low = min(min(costs.mb_scale or (1.0,)), min(costs.mb_scale_w or costs.mb_scale or (1.0,)))
+    return replace(costs.with_microbatches(None).scaled(low), comm=costs.comm, dp_sync=costs.dp_sync)
+
+
+def uneven_work_bound(layout: Layout, costs: Costs) -> float:
+    """``work_bound`` with each micro-batch's own factors: per rank, the work of every micro-batch at the
+    rank's stages of the chain where it costs least (which chain a micro-batch takes depends on its slot),
+    after the start-up of the cheapest one and, for the F/B work, before the drain of the cheapest one."""
+    sc = costs.per_stage(layout.S)
+    head, drain = _paths(layout, cheapest(costs).per_stage(layout.S))
+    pairs_save = sc.fb is not None or any(sc.a2a_f) or any(sc.a2a_b)
+    k, kw = sc.mb_scale, sc.mb_scale_w or sc.mb_scale
+    best = 0.0
+    for local in layout.local:
+        if not local:
+            continue
+        can_overlap = len(local) > 1 and pairs_save
+        work = fb_work = 0.0
+        for m in range(len(k)):
+            per_chain: dict[int, list[float]] = {}
+            for c, s in local:
+                lone = sum(rule(x).scaled_cost(sc, s, k[m], kw[m]) for x in (F, B, W))
+                unit = min(lone, sc.fb_cost(s, BW, s, k[m], k[m], kw[m])) if can_overlap else lone
+                got = per_chain.setdefault(c, [0.0, 0.0])
+                got[0] += unit
+                got[1] += max(0.0, unit - sc.w[s] * kw[m])
+            work += min(x[0] for x in per_chain.values())
+            fb_work += min(x[1] for x in per_chain.values())
+        start = min(head[c][s] for c, s in local)
+        tail = min(drain[c][s] for c, s in local)
+        best = max(best, start + work, start + fb_work + tail)
+    return best
 
 
 def work_bound(layout: Layout, costs: Costs) -> float:

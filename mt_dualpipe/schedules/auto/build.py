@@ -24,6 +24,18 @@ def _check_solver(solver: object, time_limit: object) -> None:
         raise ScheduleError(f"time_limit must be a positive number of seconds or None, got {time_limit!r}")
 
 
+def _check_microbatch_costs(costs: Costs, num_microbatches: int, solver: str) -> None:
+    """Per-micro-batch factors must name every micro-batch of the step; the exact backend has no model of them."""
+    if costs.mb_scale is None:
+        return
+    if len(costs.mb_scale) != num_microbatches:
+        raise ScheduleError(f"costs.mb_scale has {len(costs.mb_scale)} factors but the step has {num_microbatches} "
+                            "micro-batches; give one factor per micro-batch, in the order they arrive")
+    if solver == "cpsat" and costs.uneven:
+        raise ScheduleError("solver='cpsat' models micro-batches of equal cost; with uneven costs.mb_scale use "
+                            "solver='heuristic'")
+
+
 def _polish(search: Search, seed: int, time_limit: float, floor: float) -> dict:
     """Run CP-SAT from the heuristic's best; keep its order if the simulator confirms it is better."""
     best = search.best_ordered or search.best
@@ -45,8 +57,9 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     walk per 8 ops of the problem, 10 to 200, and annealing as ``search.anneal_plan`` sizes it;
     0 keeps only the hand schedules and the policy grid).
     The search is bounded by ``iterations``, not by the clock, so the result is deterministic for a
-    given seed (about 1 s of CPU at P <= 4, M <= 8; 4-9 s at P=8, M=24; it ends as soon as an order
-    reaches ``bound.lower_bound``, milliseconds on uniform costs). ``time_budget``
+    given seed (about 1 s of CPU at P <= 4, M <= 8; at most about 5 s on two cores at P=8, M=24, this
+    process and one child; it ends as soon as an order reaches ``bound.lower_bound``, milliseconds on
+    uniform costs). ``time_budget``
     (seconds, default None: no cap) additionally stops any phase once a first valid schedule
     exists — faster, but then the result depends on the machine's speed
     (``meta["stopped_by_time_budget"]`` says whether it did).
@@ -61,6 +74,10 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     ``meta["hand_chains"]`` gives each chain's start, makespan (None when the best order reached
     the lower bound first and the chain was not waited for) and whether it ran in a child.
 
+    Uneven micro-batches (``costs.mb_scale``, one factor per micro-batch in arrival order): ``auto`` also
+    chooses which micro-batch each slot runs (``Schedule.microbatch_order``, ``meta["microbatch_order"]``)
+    and is never worse than the hand schedules run in arrival order (``order``).
+
     ``solver="cpsat"`` then polishes the heuristic's best with the exact CP-SAT model for up to
     ``time_limit`` seconds (default 10; needs ``pip install mt_dualpipe[solver]``): ``meta`` gets
     its proven ``lower_bound``, ``optimal`` and ``gap``, which the heuristic alone also reports
@@ -72,6 +89,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
     if solver == "cpsat":
         load_cp_model()  # fail before searching when OR-Tools is missing
     layout = Layout.named(placement, num_ranks, num_microbatches)
+    _check_microbatch_costs(costs, num_microbatches, solver)
     started = time.perf_counter()
     search, info = heuristic(layout, costs, memory_limit, seed, time_budget, iterations, chains, workers)
     bound = search.floor
@@ -81,6 +99,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         bound = max(bound, extra["solver_bound"])
     best = search.best
     sched = search.make(best.ranks)
+    sched.microbatch_order = search.order
     optimal = best.makespan <= bound + 1e-9
     sched.meta = {
         "placement": placement, "seed": seed, "memory_limit": info["memory_limit"], "costs": costs.describe(),
@@ -89,6 +108,7 @@ def build_auto(num_ranks: int, num_microbatches: int, costs: Costs | None = None
         "gap": 0.0 if optimal or not best.makespan else (best.makespan - bound) / best.makespan,
         "solver": solver, "walks": info["walks"], "hand_chains": info["hand_chains"],
         "search_seconds": info["search_seconds"],
+        **({"microbatch_order": info["microbatch_order"]} if "microbatch_order" in info else {}),
         "seconds": round(time.perf_counter() - started, 3), "stopped_by_time_budget": info["stopped_by_time_budget"],
         **extra,
     }

@@ -39,6 +39,7 @@ from ..costs import Costs
 from ..ir import ComputeItem
 from .layout import Layout
 from .local import Move, anneal
+from .repair import anneal_repaired, repairs
 
 Ranks = list[list[ComputeItem]]
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder that holds ``mt_dualpipe``
@@ -61,13 +62,30 @@ class ChainJob:
     floor: float
     ends_at: float | None = None  # the caller's deadline on the wall clock (``time.time()``), if it has one
     cold_reach: int = 1  # ``anneal``'s: how much farther moves reach once the chain is cold
+    repair: bool = False  # also repair the chain's best order (``repair.repairs``) where it runs
+    pairing: bool = False  # ``repair.repairs``' ``pairing``: FB units pay on this problem
+
+    def _deadline(self) -> float | None:
+        return None if self.ends_at is None else time.perf_counter() + (self.ends_at - time.time())
 
     def run(self) -> tuple[Ranks, float]:
-        """The chain's best order and its makespan."""
-        deadline = None if self.ends_at is None else time.perf_counter() + (self.ends_at - time.time())
+        """The chain's best order and its makespan (``repair``: repaired on the way, ``repair.anneal_repaired``)."""
+        if self.repair:
+            return anneal_repaired(self.layout, self.costs, self.limits, self.ranks, random.Random(self.seed),
+                                   self.steps, self._deadline(), self.moves, self.heat, self.work, self.floor,
+                                   self.cold_reach, self.pairing)
         return anneal(self.layout, self.costs, self.limits, self.ranks, random.Random(self.seed), self.steps,
-                      deadline, self.moves, heat=self.heat, work=self.work, floor=self.floor,
+                      self._deadline(), self.moves, heat=self.heat, work=self.work, floor=self.floor,
                       cold_reach=self.cold_reach)
+
+    def outcome(self) -> tuple[Ranks, float, list[tuple[Ranks, str]]]:
+        """``run``'s order and makespan, and with ``repair`` the repaired orders the search is to consider
+        after it (``repair.repairs``): work that needs nothing of the search, so it runs in the child too."""
+        ranks, makespan = self.run()
+        if not self.repair:
+            return ranks, makespan, []
+        return ranks, makespan, repairs(self.layout, self.costs, self.limits, ranks, self.floor, self.pairing,
+                                        self._deadline())
 
 
 def default_workers(chains: int) -> int:
@@ -115,8 +133,8 @@ class Chain:
             return
         self.folder = folder
 
-    def result(self) -> tuple[Ranks, float]:
-        """The chain's best order and makespan: the child's, or this process's run of the same job."""
+    def result(self) -> tuple[Ranks, float, list[tuple[Ranks, str]]]:
+        """The chain's ``ChainJob.outcome``: the child's, or this process's run of the same job."""
         if self.proc is not None:
             code = self.proc.wait()
             path = Path(self.folder.name)
@@ -130,7 +148,7 @@ class Chain:
             self.cancel()
             if got is not None:
                 return got
-        return self.job.run()  # not started, or the child failed: the same seeded chain, here
+        return self.job.outcome()  # not started, or the child failed: the same seeded chain, here
 
     def cancel(self) -> None:
         """Stop the child if it still runs and remove its files."""
@@ -150,7 +168,7 @@ def run_job_folder(folder: str, parent: int | None = None) -> None:
     """
     path = Path(folder)
     job: ChainJob = pickle.loads((path / "job.pkl").read_bytes())
-    got = job.run()
+    got = job.outcome()
     if parent is not None and os.getppid() != parent:
         shutil.rmtree(path, ignore_errors=True)
         return
@@ -180,16 +198,15 @@ class Chains:
             self.started.append(Chain(self.jobs[len(self.started)], in_child=True))
             running += 1
 
-    def results(self, stop: Callable[[], bool]) -> Iterator[tuple[int, Ranks, float, bool]]:
-        """(job index, best order, makespan, whether it ran in a child), job by job until ``stop()`` says so."""
+    def results(self, stop: Callable[[], bool]) -> Iterator[tuple[int, tuple[Ranks, float, list], bool]]:
+        """(job index, its ``ChainJob.outcome``, whether it ran in a child), job by job until ``stop()`` says so."""
         for k, job in enumerate(self.jobs):
             if stop():
                 return
             if self.workers > 1:
                 self._top_up(self.workers)
             chain = self.started[k] if k < len(self.started) else Chain(job, in_child=False)
-            ranks, makespan = chain.result()
-            yield k, ranks, makespan, chain.in_child
+            yield k, chain.result(), chain.in_child
 
     def cancel(self) -> None:
         """Stop every child still running and remove the files of all."""

@@ -22,13 +22,14 @@ deadlock-free under any limit >= the stages a chain has on one rank. Micro-batch
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from dataclasses import dataclass
 
 from ..costs import StageCosts
 from ..ir import FB, ComputeItem, Op
-from ..ops import OpKind, OpTable, parts
+from ..ops import RULES, OpKind, OpTable, parts
 from .layout import Layout
 from .policies import Policy
 
@@ -94,6 +95,11 @@ class _Walk:
         self.bkind = OpKind.B if policy.split else OpKind.BW
         tpl = table.templates()
         self.f_tpl, self.b_tpl, self.w_tpl = tpl[OpKind.F], tpl[self.bkind], tpl[OpKind.W]
+        # per kind, per c * S + s, per micro-batch slot: the op's time (``Costs.mb_scale`` makes slots differ)
+        self.scales = sc.slot_scales(None, layout.M)
+        self.dur = {kind: _durations(sc, kind, S, layout.C, layout.M, self.scales)
+                    for kind in (OpKind.F, self.bkind, OpKind.W)}
+        self.f_dur, self.b_dur, self.w_dur = self.dur[OpKind.F], self.dur[self.bkind], self.dur[OpKind.W]
         self.end = [INF] * (2 * layout.C * S * layout.M)  # signal key -> time it is made (INF: not yet)
         self.next_f = [0] * (layout.C * S)
         self.next_b = [0] * (layout.C * S)
@@ -106,10 +112,27 @@ class _Walk:
         self.wq_head = [0] * P
         self.todo = [sum(2 * len(layout.chain_mbs[c]) for c, _ in layout.local[r]) for r in range(P)]
         self.out: list[list[ComputeItem]] = [[] for _ in range(P)]
-        # per rank, per local stage: (chain, stage, c * S + s, its micro-batches, F's and B's inputs)
-        self.stages = [[(c, s, c * S + s, layout.chain_mbs[c], self.f_tpl[c * S + s][0], self.b_tpl[c * S + s][0])
-                        for c, s in layout.local[r]] for r in range(P)]
+        # per rank, per local stage: (chain, stage, c * S + s, its micro-batches, F's and B's inputs as
+        # (key for slot 0, hop latency: the producing stage's when it runs on another rank))
+        lat = sc.comm
+
+        def hops(waits: tuple, r: int) -> tuple[tuple[int, float], ...]:
+            return tuple((key, lat[st] if owner != r else 0.0) for key, owner, st in waits)
+
+        self.stages = [[(c, s, c * S + s, layout.chain_mbs[c], hops(self.f_tpl[c * S + s][0], r),
+                         hops(self.b_tpl[c * S + s][0], r)) for c, s in layout.local[r]] for r in range(P)]
         self.active = [r for r in range(P) if self.todo[r]]  # unfinished ranks, in rank order
+        # which waiting ranks an op may have changed the candidates of (``run`` wakes only those): the rank
+        # that consumes its signal, and where it takes or frees memory the ranks that inject micro-batches
+        # (an F entering a chain checks the memory of every rank of the chain; any other F only its own)
+        injectors = tuple(sorted({chain[0] for chain in layout.placement}))
+        nxt = [chain[s + 1] if s + 1 < S else None for chain in layout.placement for s in range(S)]
+        prv = [chain[s - 1] if s else None for chain in layout.placement for s in range(S)]
+        self.f_wakes = [tuple(sorted({x for x in (n,) if x is not None} | set(injectors))) for n in nxt]
+        frees = not policy.split  # a fused BW frees its activation
+        self.b_wakes = [tuple(sorted({x for x in (p,) if x is not None} | (set(injectors) if frees else set())))
+                        for p in prv]
+        self.w_wakes = injectors
 
     # ----- 1. gather ---------------------------------------------------------------------------
     def _f_allowed(self, r: int, c: int, s: int) -> bool:
@@ -131,7 +154,7 @@ class _Walk:
         bs: list[Stage] = []
         f_soon: list[tuple[float, int, int]] = []
         b_soon: list[tuple[float, int, int]] = []
-        next_f, next_b, end, lat = self.next_f, self.next_b, self.end, self.sc.comm
+        next_f, next_b, end = self.next_f, self.next_b, self.end
         nk = INF
         mem_blocked = inject_blocked = False
         arrived: dict[tuple, float] = {}  # (c, s) of a ready F, (c, s, 1) of a ready B -> when its inputs arrived
@@ -139,7 +162,12 @@ class _Walk:
             i = next_f[k]
             if i < len(mbs):
                 m = mbs[i]
-                tf = _arrival(f_waits, m + m, r, end, lat) if f_waits else 0.0
+                off = m + m
+                tf = 0.0  # when the F's inputs reach rank r (INF: one is not made yet)
+                for key, hop in f_waits:
+                    v = end[key + off] + hop
+                    if v > tf:
+                        tf = v
                 if tf > t:
                     nk = tf if tf < nk else nk
                     if tf != INF:
@@ -153,7 +181,12 @@ class _Walk:
             j = next_b[k]
             if j < i:
                 m = mbs[j]
-                tb = _arrival(b_waits, m + m, r, end, lat)
+                off = m + m
+                tb = 0.0
+                for key, hop in b_waits:
+                    v = end[key + off] + hop
+                    if v > tb:
+                        tb = v
                 if tb <= t:
                     bs.append((c, s, m))
                     arrived[c, s, 1] = tb
@@ -192,22 +225,38 @@ class _Walk:
                     return Choice(OpKind.FB, fo, bo)
         return None
 
+    def _next_mb(self, c: int, s: int, forward: bool) -> int:
+        """The micro-batch slot the next F (or B) of stage (c, s) runs."""
+        k = c * self.layout.S + s
+        mbs = self.layout.chain_mbs[c]
+        i = self.next_f[k] if forward else self.next_b[k]
+        return mbs[min(i, len(mbs) - 1)]
+
+    def _unit(self, f: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+        """Time of an FB unit of F ``f`` and backward ``b`` ((chain, stage, slot) each)."""
+        if self.scales is None:
+            return self.sc.fb_cost(f[1], self.bkind, b[1])
+        k, kw = self.scales
+        return self.sc.fb_cost(f[1], self.bkind, b[1], k[f[2]], k[b[2]], kw[b[2]])
+
     def _partner_due(self, r: int, t: float, ready: Ready) -> float | None:
         """With only F's (only B's) ready: when to wake for a partner whose FB saves more than the wait."""
-        S, sc, bkind = self.layout.S, self.sc, self.bkind
+        S = self.layout.S
         lone_f = ready.fs[0] if ready.fs else None
-        c0, s0, _ = lone_f or ready.bs[0]
-        lone = self.f_tpl[c0 * S + s0][2] if lone_f else self.b_tpl[c0 * S + s0][2]
+        c0, s0, m0 = lone_f or ready.bs[0]
+        lone = self.f_dur[c0 * S + s0][m0] if lone_f else self.b_dur[c0 * S + s0][m0]
         soon = ready.b_soon if lone_f else ready.f_soon
         for t_other, c, s in soon:
             if (c, s) == (c0, s0):
                 continue
             if lone_f:
-                other, unit = self.b_tpl[c * S + s][2], sc.fb_cost(s0, bkind, s)
+                m = self._next_mb(c, s, False)
+                other, unit = self.b_dur[c * S + s][m], self._unit(lone_f, (c, s, m))
             else:
                 if not self._f_allowed(r, c, s):
                     continue
-                other, unit = self.f_tpl[c * S + s][2], sc.fb_cost(s, bkind, s0)
+                m = self._next_mb(c, s, True)
+                other, unit = self.f_dur[c * S + s][m], self._unit((c, s, m), ready.bs[0])
             if t_other - t < lone + other - unit:
                 return t_other
         return None
@@ -233,8 +282,8 @@ class _Walk:
             return None
         if ready.f_mem_blocked or pol.w_fill or ready.next_known == INF:
             return Choice(OpKind.W)
-        c0, s0, _ = self.wq[r][self.wq_head[r]]
-        return Choice(OpKind.W) if t + self.w_tpl[c0 * self.layout.S + s0][2] <= ready.next_known else None
+        c0, s0, m0 = self.wq[r][self.wq_head[r]]
+        return Choice(OpKind.W) if t + self.w_dur[c0 * self.layout.S + s0][m0] <= ready.next_known else None
 
     def _held_for_b(self, r: int, t: float, ready: Ready, choice: Choice) -> float | None:
         """With ``hold_b``: the time of a B due before ``choice`` (an F or W) would end, or None."""
@@ -243,10 +292,11 @@ class _Walk:
         S = self.layout.S
         t_b = min(x[0] for x in ready.b_soon)
         if choice.kind is OpKind.F:
-            dur = self.f_tpl[choice.f[0] * S + choice.f[1]][2]
+            c0, s0, m0 = choice.f
+            dur = self.f_dur[c0 * S + s0][m0]
         else:
-            c0, s0, _ = self.wq[r][self.wq_head[r]]
-            dur = self.w_tpl[c0 * S + s0][2]
+            c0, s0, m0 = self.wq[r][self.wq_head[r]]
+            dur = self.w_dur[c0 * S + s0][m0]
         if t_b < t + dur and not (choice.kind is OpKind.W and ready.f_mem_blocked):
             return t_b
         return None
@@ -310,12 +360,11 @@ class _Walk:
     # ----- 3. apply ----------------------------------------------------------------------------
     def _start_f(self, r: int, c: int, s: int, m: int, end: float) -> None:
         layout, k = self.layout, c * self.layout.S + s
-        if self.policy.reserve:
-            if s == 0:
-                cnt = layout.count[c]
-                for x in layout.chain_ranks[c]:
-                    self.reserved[x] += cnt[x]
-            self.reserved[r] -= 1
+        if s == 0:  # kept whatever the policy (only ``reserve`` reads it): walks may share a prefix
+            cnt = layout.count[c]
+            for x in layout.chain_ranks[c]:
+                self.reserved[x] += cnt[x]
+        self.reserved[r] -= 1
         self.live[r] += 1
         self.next_f[k] += 1
         for key in self.f_tpl[k][1]:
@@ -338,33 +387,50 @@ class _Walk:
         if kind is OpKind.W:
             c, s, m = self.wq[r][self.wq_head[r]]
             self.wq_head[r] += 1
-            end = t + self.w_tpl[c * S + s][2]
+            end = t + self.w_dur[c * S + s][m]
             self.live[r] -= 1
             item: ComputeItem = Op(OpKind.W, c, s, m)
         elif kind is OpKind.F:
             c, s, m = choice.f
-            end = t + self.f_tpl[c * S + s][2]
+            end = t + self.f_dur[c * S + s][m]
             self._start_f(r, c, s, m, end)
             item = Op(OpKind.F, c, s, m)
         elif kind is OpKind.FB:
             (fc, fs, fm), (bc, bs, bm) = choice.f, choice.b
-            end = t + self.sc.fb_cost(fs, self.bkind, bs)
+            end = t + self._unit(choice.f, choice.b)
             self._start_f(r, fc, fs, fm, end)
             self._start_b(r, bc, bs, bm, end)
             item = FB(Op(OpKind.F, fc, fs, fm), Op(self.bkind, bc, bs, bm))
         else:
             c, s, m = choice.b
-            end = t + self.b_tpl[c * S + s][2]
+            end = t + self.b_dur[c * S + s][m]
             self._start_b(r, c, s, m, end)
             item = Op(self.bkind, c, s, m)
         self.out[r].append(item)
         self.now[r] = end
 
+    def woken(self, choice: Choice) -> tuple[int, ...]:
+        """The ranks whose candidates ``choice`` may have changed: the consumers of what it made, and the
+        ranks that inject micro-batches when it took or freed memory. A rank that waits re-gathers only
+        then (or at its wake-up time); any other would decide as before."""
+        S, kind = self.layout.S, choice.kind
+        if kind is OpKind.W:
+            return self.w_wakes
+        if kind is OpKind.F:
+            return self.f_wakes[choice.f[0] * S + choice.f[1]]
+        b = self.b_wakes[choice.b[0] * S + choice.b[1]]
+        if kind is OpKind.FB:
+            return tuple(set(b) | set(self.f_wakes[choice.f[0] * S + choice.f[1]]))
+        return b
+
     # ----- the walk ----------------------------------------------------------------------------
-    def run(self) -> list[list[ComputeItem]] | None:
-        """Repeatedly: the unfinished rank free (or waking) first gathers, chooses and applies."""
+    def run(self, until_choice: bool = False) -> list[list[ComputeItem]] | None:
+        """Repeatedly: the unfinished rank free (or waking) first gathers, chooses and applies.
+
+        ``until_choice``: stop (returning ``out`` so far) before the first choice the policy makes, when
+        every step before it only ran prefix items: that much is the same for every policy (``clone``).
+        """
         waiting, now, wake, active = self.waiting, self.now, self.wake, self.active
-        awake = [False] * self.layout.P
         gather, choose, apply = self.gather, self.choose, self.apply
         while active:
             r, t = -1, INF
@@ -374,6 +440,8 @@ class _Walk:
                     r, t = x, tx
             if r < 0:
                 return None  # every remaining rank waits on something nobody will produce
+            if until_choice and len(self.out[r]) >= len(self.prefix[r]):
+                return self.out  # the state is as it was: a clone picks the same rank and time
             if waiting[r]:
                 waiting[r] = False
                 now[r] = t = max(now[r], t)
@@ -387,10 +455,58 @@ class _Walk:
                 waiting[r], wake[r] = True, got
                 continue
             apply(r, t, got)
-            waiting[:] = awake  # what this op made may be what the waiting ranks wait for
+            for x in self.woken(got):  # what this op made or freed may be what those ranks wait for
+                waiting[x] = False
             if self.todo[r] == 0 and self.wq_head[r] == len(self.wq[r]):
                 active.remove(r)
         return self.out
+
+
+    def clone(self, policy: Policy) -> _Walk:
+        """A copy of this walk's state that goes on under ``policy`` (same backward kind: ``split``)."""
+        other = copy.copy(self)
+        other.policy = policy
+        for name in ("end", "next_f", "next_b", "live", "reserved", "now", "wake", "waiting", "wq_head", "todo",
+                     "active"):
+            setattr(other, name, list(getattr(self, name)))
+        other.wq = [list(q) for q in self.wq]
+        other.out = [list(o) for o in self.out]
+        return other
+
+
+def _durations(sc: StageCosts, kind: OpKind, S: int, C: int, M: int,
+               scales: tuple[list[float], list[float]] | None) -> list[list[float]]:
+    """Per ``c * S + s``, per micro-batch slot: the time of ``kind`` there (``ops.RULES``, scaled per slot)."""
+    rule_ = RULES[kind]
+    out = []
+    for _ in range(C):
+        for s in range(S):
+            if scales is None:
+                out.append([rule_.cost(sc, s)] * M)
+            else:
+                out.append([rule_.scaled_cost(sc, s, k, kw) for k, kw in zip(*scales)])
+    return out
+
+
+def list_schedules_from(layout: Layout, sc: StageCosts, limits: list[int], pols: list[Policy],
+                        prefix: list[list[ComputeItem]],
+                        table: OpTable | None = None) -> list[list[list[ComputeItem]] | None]:
+    """``list_schedule`` with ``prefix`` under each of ``pols`` (all with the same ``split``), in order.
+
+    Until the first rank runs out of its prefix the walk is the same whatever the policy (it only
+    runs given items), so that part is walked once and each policy goes on from a copy of it: with
+    a prefix of three quarters of the step (``repair``'s re-listing) most of every walk.
+    """
+    if not pols:
+        return []
+    if len({p.split for p in pols}) > 1:
+        raise ValueError("list_schedules_from: the policies must agree on split (the backward kind)")
+    if table is None:
+        table = OpTable(layout.placement, layout.M, sc)
+    shared = _Walk(layout, table, sc, limits, pols[0], None, 0.0, prefix)
+    if shared.run(until_choice=True) is None:
+        return [None] * len(pols)
+    return [shared.clone(pol).run() for pol in pols]
 
 
 def list_schedule(layout: Layout, sc: StageCosts, limits: list[int], policy: Policy,

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from bisect import bisect_right
 from collections.abc import Callable
-from itertools import accumulate
+from itertools import accumulate, islice
 
 from ..costs import Costs
 from ..errors import ScheduleError
@@ -283,8 +284,8 @@ def neighbour(ranks: Ranks, rng: random.Random, r: int, window: int,
     i = rng.randrange(len(ops))
     draw = rng.random()
     bounds = _BOUNDS.get(id(moves)) or _bounds(moves)
-    move = next((fn for (_, _, fn), bound in zip(moves, bounds) if draw < bound), moves[-1][2])
-    new = move(ops, i, rng, window)
+    k = bisect_right(bounds, draw)  # the first move whose cumulative probability is above the draw
+    new = moves[k if k < len(moves) else -1][2](ops, i, rng, window)
     if new is None:
         return None
     out = list(ranks)
@@ -298,16 +299,19 @@ def waits_on_later(table: OpTable, r: int, ops: list[ComputeItem], lo: int, hi: 
     Such an order deadlocks for sure; a move only reorders its span, so checking the span finds
     every same-rank deadlock it creates without running the simulator.
     """
+    tpl, S = table.templates(), table.S
     made: dict[int, int] = {}
-    for i in range(lo, hi + 1):
-        for op in parts(ops[i]):
-            k = table.made(op)
-            if k >= 0:
-                made[k] = i
-    for i in range(lo, hi + 1):
-        for op in parts(ops[i]):
-            for key, owner, _ in table.waits(op):
-                if owner == r and made.get(key, -1) >= i:
+    span = ops[lo:hi + 1]
+    for i, item in enumerate(span):
+        for kind, c, s, m in (item if type(item) is FB else (item,)):
+            for k in tpl[kind][c * S + s][1]:
+                made[k + m + m] = i
+    if not made:
+        return False
+    for i, item in enumerate(span):
+        for kind, c, s, m in (item if type(item) is FB else (item,)):
+            for key, owner, _ in tpl[kind][c * S + s][0]:
+                if owner == r and made.get(key + m + m, -1) >= i:
                     return True
     return False
 
@@ -359,23 +363,36 @@ def renumber(ops: list[ComputeItem], lo: int, hi: int, like: list[ComputeItem] |
     compares identity).
     """
     pools: dict[tuple[str, int, int], list[int]] = {}
-    for item in ops[lo:hi + 1]:
-        for op in parts(item):
-            pools.setdefault(op[:3], []).append(op.mb)
-    for mbs in pools.values():
-        mbs.sort(reverse=True)  # pop() hands them out smallest first
+    for item in islice(ops, lo, hi + 1):
+        if type(item) is FB:
+            f, b = item
+            pools.setdefault(f[:3], []).append(f[3])
+            pools.setdefault(b[:3], []).append(b[3])
+        else:
+            pools.setdefault(item[:3], []).append(item[3])
+    out = list(ops)
+    todo = {}  # the (kind, chain, stage)'s whose micro-batches the span runs out of order
+    for key, mbs in pools.items():
+        if len(mbs) > 1 and any(a > b for a, b in zip(mbs, islice(mbs, 1, None))):
+            todo[key] = sorted(mbs, reverse=True)  # pop() hands them out smallest first
+    if not todo:
+        return out
 
     def numbered(op: Op) -> Op:
-        mb = pools[op[:3]].pop()
-        return op if mb == op.mb else Op(op.kind, op.chain, op.stage, mb)
+        pool = todo.get(op[:3])
+        if pool is None:
+            return op
+        mb = pool.pop()
+        return op if mb == op[3] else Op(op[0], op[1], op[2], mb)
 
-    out = list(ops)
     for i in range(lo, hi + 1):
         item = ops[i]
-        new = FB(numbered(item.f), numbered(item.b)) if type(item) is FB else numbered(item)
+        new = FB(numbered(item[0]), numbered(item[1])) if type(item) is FB else numbered(item)
+        if new is item or new == item:
+            continue
         if like is not None and i < len(like) and new == like[i]:
             new = like[i]
-        out[i] = item if new == item else new
+        out[i] = new
     return out
 
 
@@ -462,7 +479,8 @@ def _anneal_score(run: Replay, P: int) -> float:
 def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
            deadline: float | None, moves: tuple[tuple[str, float, Move], ...] = ANNEAL_MOVES,
            window: int = 6, heat: float = ANNEAL_HEAT, work: int | None = None,
-           floor: float = -math.inf, cold_reach: int = 1) -> tuple[Ranks, float]:
+           floor: float = -math.inf, cold_reach: int = 1, phase: tuple[float, float] = (0.0, 1.0),
+           t_hi: float | None = None) -> tuple[Ranks, float]:
     """Simulated annealing on per-rank orders; the best order seen and its makespan.
 
     Hill climbing stops where every single move costs something, yet the exact schedules are often
@@ -480,6 +498,9 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     improvements are often one op moved farther than pays early on (``ANNEAL_COLD_REACH``).
     Orders are kept with backwards split and micro-batches renumbered in order (``renumber``), so
     ``moves`` may not merge a B and its W (``ANNEAL_PLAIN_MOVES`` is ``MOVES`` without that).
+    ``phase=(lo, hi)`` runs only that part of the cooling (its steps and work spread over it), from
+    the start temperature ``t_hi`` of the whole chain: what ``repair.anneal_repaired`` runs between
+    its repairs.
     """
     if any(fn is _split_bw for _, _, fn in moves):
         raise ScheduleError("anneal keeps every backward split into B and W, so its moves cannot include "
@@ -491,7 +512,9 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
     best, best_key = ranks, (base.makespan, sum(base.rank_end))
     if base.makespan <= floor + 1e-9:
         return best, base.makespan
-    t_hi = heat * base.makespan / P
+    if t_hi is None:
+        t_hi = heat * base.makespan / P
+    lo, span = phase[0], phase[1] - phase[0]
     spent = 0
     table = OpTable(layout.placement, layout.M)
     for step in range(steps):
@@ -500,6 +523,7 @@ def anneal(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: r
         done = max(step / steps, spent / work) if work else step / steps
         if done >= 1.0:
             break
+        done = lo + span * done  # where this part is in the whole chain's cooling
         temp = t_hi * ANNEAL_COOL ** done
         r = rng.randrange(P)
         reach = window * cold_reach if done > ANNEAL_COLD_PHASE else window
@@ -559,25 +583,39 @@ def sink_ws(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
     return ranks, cur[0]
 
 
+def _latest_fitting(ws: list[tuple[int, float, float]], after: int, done_by: float, fits_in: float) -> int | None:
+    """The index of the last W of ``ws`` (one stage's, in order: (index, its B's end, its time)) placed after
+    ``after`` whose B ends by ``done_by`` and whose time fits in ``fits_in``; None if none."""
+    for j, b_done, dur in reversed(ws):
+        if j <= after:
+            return None
+        if b_done <= done_by and dur <= fits_in:
+            return j
+    return None
+
+
 def _first_gap_fill(base: Replay, ranks: Ranks, r: int, limits: list[int],
                     cur: tuple[float, float]) -> tuple[Ranks, Replay, tuple[float, float]] | None:
     """The first gap of rank ``r`` that a later W fills without making the order worse: the new order,
     its replay and score; None when no gap takes one."""
     ops, times = ranks[r], base.times(r)
     b_end = {op[1:]: end for item, (_, end) in zip(ops, times) for op in parts(item) if op.kind == OpKind.B}
+    stages: dict[tuple[int, int], list[tuple[int, float, float]]] = {}  # per local stage: (index, B's end, time)
+    for j, w in enumerate(ops):
+        if type(w) is Op and w.kind == OpKind.W:
+            stages.setdefault(w[1:3], []).append((j, b_end.get(w[1:], math.inf), times[j][1] - times[j][0]))
     for i in range(1, len(ops)):
         gap_start = times[i - 1][1]
         gap = times[i][0] - gap_start
         if gap <= 1e-9:
             continue
-        latest: dict[tuple[int, int], int] = {}  # per local stage: its latest W after the gap whose B is done
-        for j in range(len(ops) - 1, i, -1):
-            w = ops[j]
-            if (type(w) is Op and w.kind == OpKind.W and w[1:3] not in latest
-                    and b_end.get(w[1:], math.inf) <= gap_start + 1e-9 and times[j][1] - times[j][0] <= gap + 1e-9):
-                latest[w[1:3]] = j
+        found = []  # per local stage: its latest W after the gap whose B is done and that fits the gap
+        for ws in stages.values():
+            j = _latest_fitting(ws, i, gap_start + 1e-9, gap + 1e-9)
+            if j is not None:
+                found.append(j)
         best = None
-        for j in latest.values():
+        for j in sorted(found, reverse=True):  # the latest first, as a scan from the end meets them
             cand = list(ranks)
             cand[r] = renumber(ops[:i] + [ops[j]] + ops[i:j] + ops[j + 1:], i, j, ops)
             res = _try(base, cand, r, i, Cutoff(limits, cur[0] + 1e-9), j)
@@ -674,20 +712,29 @@ def _pull_held_back(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
     cur = (base.makespan, sum(base.rank_end))
     starts = _start_sum(base, ranks)
     order = sorted(range(layout.P), key=lambda r: -base.rank_end[r])
+    tried: set[tuple] = set()  # chains found behind several gaps are replayed once
     for r in order:
         for i in range(len(ranks[r]) - 1, 0, -1):  # the latest gaps first: the cool-down sets the makespan
             if times[r][i][0] <= times[r][i - 1][1] + 1e-9:
                 continue
             for op in parts(ranks[r][i]):
                 chain = _held_back_chain(layout, lat, ranks, times, made_at, op)
-                cand = _raised_chain(ranks, times, chain) if chain else None
+                key = tuple(chain)
+                if not chain or key in tried:
+                    continue
+                tried.add(key)
+                cand = _raised_chain(ranks, times, chain)
                 if cand is None:
                     continue
+                # every item that starts before the first raised one keeps its time: walk from there, and
+                # stop once the order is over a limit or the makespan (it would not be kept)
+                t0 = min(times[q][changed_span(ranks[q], cand[q])[0]][0] for q in range(layout.P)
+                         if cand[q] is not ranks[q])
                 try:
-                    run = replay_order(layout, costs, cand, "close_gaps")
+                    run = base.from_time(cand, t0, Cutoff(limits, cur[0]))
                 except ScheduleError:
                     continue
-                if not fits(run.peak_activations, limits):
+                if run.over:
                     continue
                 score = (run.makespan, sum(run.rank_end))
                 if _better(score, cur) and (score[0] < cur[0] - 1e-9 or score[1] < cur[1] - 1e-9

@@ -20,16 +20,17 @@ the way (P=8, M=24, docs/schedules.md):
 
 from __future__ import annotations
 
+import random
 import time
 
 from ..costs import Costs
 from ..errors import ScheduleError
 from ..ir import FB, ComputeItem, Op
 from ..ops import OpKind, OpTable
-from ..simulate import Replay
+from ..simulate import Cutoff, Replay, changed_span
 from .layout import Layout
-from .listsched import list_schedule
-from .local import close_gaps, evaluate, fits, renumber, replay_order
+from .listsched import list_schedules_from
+from .local import anneal, close_gaps, evaluate, fits, renumber, replay_order
 from .policies import Policy, policies
 
 Ranks = list[list[ComputeItem]]
@@ -39,6 +40,9 @@ COOLDOWN_CUTS = (0.75, 0.8, 0.85)
 V orders of P=8, M=24 that the search had left at 192 (all-to-all 1.0 of F, optimum 190), cut at
 0.75 four of seven went to 190, 0.8 and 0.85 mend others; from 0.7 down the walk loses the
 steady state (196-215), from 0.9 on nothing is left to change."""
+
+REPAIR_CHECKPOINTS = (0.6, 0.85)
+"""Where ``anneal_repaired`` stops a long chain to repair its best order, as fractions of the chain."""
 
 STRAY_RELISTS = 2
 """How many of the paired candidates (best first, none worse than the order) get their cool-down re-listed."""
@@ -74,20 +78,62 @@ def relist_cooldown(layout: Layout, costs: Costs, limits: list[int], ranks: Rank
     table = OpTable(layout.placement, layout.M, sc)
     pols = cooldown_policies(layout.name, costs, layout.S)
     best = ((replay.makespan, sum(replay.rank_end)), ranks)
+    seen: set[tuple] = set()
     for cut in cuts:
-        prefix = prefix_before(ranks, replay, cut * replay.makespan)
-        for pol in pols:
-            if deadline is not None and time.perf_counter() > deadline:
-                break
-            got = list_schedule(layout, sc, limits, pol, None, 0.0, table, prefix)
-            ev = evaluate(layout, costs, got) if got is not None else None
-            if ev is None or not fits(ev[2], limits):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        t_cut = cut * replay.makespan
+        prefix = prefix_before(ranks, replay, t_cut)
+        for got in list_schedules_from(layout, sc, limits, pols, prefix, table):
+            key = None if got is None else tuple(map(tuple, got))
+            if key is None or key in seen:  # policies often agree on a cool-down: each order is scored once
                 continue
-            key = (ev[0], sum(ev[1]))
-            if key < best[0]:
-                best = (key, got)
+            seen.add(key)
+            try:  # the prefix keeps its times: only what starts from the cut on is walked
+                run = replay.from_time(got, t_cut, Cutoff(limits, best[0][0]))
+            except ScheduleError:
+                continue
+            if run.over:
+                continue
+            score = (run.makespan, sum(run.rank_end))
+            if score < best[0]:
+                best = (score, got)
     closed, makespan, _ = close_gaps(layout, costs, limits, best[1], deadline)
     return closed, makespan
+
+
+def repairs(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, floor: float, pairing: bool,
+            deadline: float | None = None) -> list[tuple[Ranks, str]]:
+    """The repaired versions of ``ranks`` worth considering, in order, each with what its source gains:
+    its gaps closed (``local.close_gaps``, if that moved anything: "+gaps"), its cool-down re-listed
+    ("+cooldown") and, with ``pairing`` (FB units pay), a stray lone F and B of a critical rank paired
+    ("+pairs", from the better of the two before). Stops once an order reaches ``floor`` (the lower
+    bound: nothing can beat it) or ``deadline`` passes. Pure: the search, or the child process that
+    annealed ``ranks`` (``chains``), runs it and the search considers the results in this order.
+    """
+    out: list[tuple[Ranks, str]] = []
+    closed, makespan, moved = close_gaps(layout, costs, limits, ranks, deadline)
+    suffix = "+gaps" if moved else ""
+    if moved:
+        out.append((closed, suffix))
+
+    def done(best: float) -> bool:
+        return best <= floor + 1e-9 or (deadline is not None and time.perf_counter() > deadline)
+
+    if done(makespan):
+        return out
+    best = (closed, makespan, suffix)
+    got = relist_cooldown(layout, costs, limits, closed, deadline=deadline)
+    if got is not None:
+        out.append((got[0], suffix + "+cooldown"))
+        if got[1] < makespan - 1e-9:
+            best = (got[0], got[1], suffix + "+cooldown")
+    if done(best[1]) or not pairing:
+        return out
+    got = pair_strays(layout, costs, limits, best[0], deadline)
+    if got is not None:
+        out.append((got[0], best[2] + "+pairs"))
+    return out
 
 
 def stray_pairings(ops: list[ComputeItem]) -> list[list[ComputeItem]]:
@@ -114,20 +160,25 @@ def pair_strays(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
     the makespan and the limit. Only the ``STRAY_RELISTS`` best pairings are re-listed; never worse
     than ``ranks``. Past ``deadline`` no more pairings are scored or re-listed.
     """
-    ev0 = evaluate(layout, costs, ranks)
-    if ev0 is None:
+    try:
+        base = replay_order(layout, costs, ranks, "pair_strays")
+    except ScheduleError:
         return None
-    makespan = ev0[0]
+    makespan = base.makespan
     scored = []
-    for r in (r for r in range(layout.P) if ev0[1][r] >= makespan - 1e-9):
+    for r in (r for r in range(layout.P) if base.rank_end[r] >= makespan - 1e-9):
         for ops in stray_pairings(ranks[r]):
             if deadline is not None and time.perf_counter() > deadline:
                 break
             cand = list(ranks)
             cand[r] = ops
-            ev = evaluate(layout, costs, cand)
-            if ev is not None and fits(ev[2], limits) and ev[0] <= makespan + 1e-9:
-                scored.append(((ev[0], sum(ev[1])), len(scored), cand))
+            lo, hi = changed_span(ranks[r], ops)
+            try:  # over the limit or the makespan: ruled out where it happens
+                run = base.changed(cand, r, lo, Cutoff(limits, makespan), hi)
+            except ScheduleError:
+                continue
+            if not run.over:
+                scored.append(((run.makespan, sum(run.rank_end)), len(scored), cand))
     scored.sort(key=lambda x: x[:2])
     best = None
     for _, _, cand in scored[:STRAY_RELISTS]:
@@ -135,3 +186,46 @@ def pair_strays(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks,
         if got is not None and (best is None or got[1] < best[1]):
             best = got
     return best
+
+
+def anneal_repaired(layout: Layout, costs: Costs, limits: list[int], ranks: Ranks, rng: random.Random, steps: int,
+                    deadline: float | None, moves: tuple, heat: float, work: int | None, floor: float,
+                    cold_reach: int, pairing: bool,
+                    checkpoints: tuple[float, ...] = REPAIR_CHECKPOINTS) -> tuple[Ranks, float]:
+    """``local.anneal`` of one long chain, stopped at ``checkpoints`` (fractions of its steps and work) to
+    repair its best order (``repairs``) and go on from the repaired one where that is better; the best
+    order and its makespan.
+
+    Re-listing a cool-down or pairing a stray lone F and B moves many ops at once, which the chain's
+    one-op moves reach only by luck; from the repaired order the colder rest of the chain finds what
+    the repair opened up (V, P=8, M=24, all-to-all 1.0 of F: a chain ending at 198 repairs to 194,
+    and 0.4 M more work from there plus a repair reach the optimum 190 on two of three seeds, where
+    the same work from 198 does not). The temperature falls on one schedule across the parts.
+    """
+    P = layout.P
+    start = replay_order(layout, costs, ranks, "anneal_repaired")
+    t_hi = heat * start.makespan / P
+    best, makespan = ranks, start.makespan
+    bounds = (0.0, *checkpoints, 1.0)
+    for lo, hi in zip(bounds, bounds[1:]):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        share = hi - lo
+        best, makespan = anneal(layout, costs, limits, best, rng, max(1, int(steps * share)), deadline, moves,
+                                heat=heat, work=None if work is None else max(1, int(work * share)), floor=floor,
+                                cold_reach=cold_reach, phase=(lo, hi), t_hi=t_hi)
+        if hi >= 1.0 or makespan <= floor + 1e-9:
+            break
+        key = _score(layout, costs, best)
+        for cand, _ in repairs(layout, costs, limits, best, floor, pairing, deadline):
+            got = _score(layout, costs, cand)
+            if got is not None and got < key:
+                best, key = cand, got
+        makespan = key[0]
+    return best, makespan
+
+
+def _score(layout: Layout, costs: Costs, ranks: Ranks) -> tuple[float, float] | None:
+    """(makespan, sum of rank ends) of ``ranks``; None if it deadlocks."""
+    ev = evaluate(layout, costs, ranks)
+    return None if ev is None else (ev[0], sum(ev[1]))
