@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # the sync classes load DTensor and FSDP (~1 s a process): bu
     from ..parallel.grad_sync import GradSync, TiedSync
 
 __all__ = ["DP_BATCH", "DP_MODES", "PipelineGroups", "Reductions", "Tie", "build_reductions", "check_mesh",
-           "find_ties", "needs_reductions", "rank_label", "refuse_wrapped", "replica_slice", "stage_holders"]
+           "declared_ties", "find_ties", "needs_reductions", "rank_label", "refuse_wrapped", "replica_slice",
+           "stage_holders"]
 
 DP_BATCH = ("global", "local")
 
@@ -151,23 +152,41 @@ def replica_slice(values: Sequence[Any], replica: int, replicas: int, dim: int, 
 # ----- weights tied across stages -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Tie:
-    """Tied weights (parameter FQNs in their stage modules) held by the same pipeline ranks."""
+    """Tied weights held by the same pipeline ranks: each named by its tie key (a stage's ``tied_parameters``:
+    the parameter's FQN in its stage module, or the key a mapping gives it)."""
 
     names: tuple[str, ...]
     holders: tuple[int, ...]                  # pp ranks holding a copy
     stages: tuple[tuple[int, int], ...]       # every (chain, stage) holding a copy, pipeline-wide
 
 
-def _declared(module: nn.Module) -> tuple[tuple[str, ...], str | None]:
-    """A stage module's ``tied_parameters`` (names, problem): a tuple of parameter FQNs."""
-    names = getattr(module, "tied_parameters", ())
-    if isinstance(names, str) or not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
-        return (), (f"tied_parameters of {type(module).__name__} must be a tuple of parameter names (FQNs within "
-                    f"the stage module), got {names!r}")
+def declared_ties(module: nn.Module) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """A stage module's ``tied_parameters`` as (FQN within the module, tie key) pairs, and a problem (or None).
+
+    ``tied_parameters`` is a tuple of parameter FQNs (a copy is tied to every other stage's parameter of the same
+    FQN) or a mapping {FQN: key} (tied to every other stage's parameter declared under the same key, whatever its
+    name there: what ``split_model`` declares for a weight two stages share by identity)."""
+    declared = getattr(module, "tied_parameters", ())
+    kind = type(module).__name__
+    if isinstance(declared, dict) and all(isinstance(f, str) and isinstance(k, str) for f, k in declared.items()):
+        pairs = tuple(declared.items())
+    elif isinstance(declared, (tuple, list)) and all(isinstance(n, str) for n in declared):
+        pairs = tuple((n, n) for n in declared)
+    else:
+        return (), (f"tied_parameters of {kind} must be a tuple of parameter names (FQNs within the stage module) or a "
+                    f"mapping of such names to tie keys, got {declared!r}")
     own = dict(module.named_parameters())
-    return tuple(names), next((f"tied parameter {n!r} is marked 'expert' in {type(module).__name__}: expert weights "
-                               "are sharded over ep, only dense weights can be tied" for n in names
-                               if n in own and weight_kind(own[n]) != "dense"), None)
+    return pairs, next((f"tied parameter {f!r} is marked 'expert' in {kind}: expert weights are sharded over ep, only "
+                        "dense weights can be tied" for f, _ in pairs if f in own and weight_kind(own[f]) != "dense"),
+                       None)
+
+
+def _held(module: nn.Module, pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str, nn.Parameter]]:
+    """The declared (FQN, key) pairs this stage holds, with the parameter. A stage may declare a name it does not
+    hold (one declaration on a model's stage class, a middle stage without the embedding); a key that no stage holds
+    is refused in ``_group_ties``."""
+    own = dict(module.named_parameters())
+    return [(fqn, key, own[fqn]) for fqn, key in pairs if fqn in own]
 
 
 def _gathered(payload: Any, group: dist.ProcessGroup) -> list[Any]:
@@ -195,53 +214,59 @@ def find_ties(modules: Sequence[nn.Module], local: Sequence[tuple[int, int]], gr
               pp_rank: int, label: str) -> tuple[list[Tie], int]:
     """The pipeline's ties and its number of expert-kind parameters (collective over the pp ``group``).
 
-    Every rank sends its stages' ``tied_parameters``; a name any stage declares ties every
-    parameter of that name in any stage (contract: names are FQNs within the stage module). A
-    name held by one stage index only (its mirrored DualPipe copies aside) is no tie. Problems
+    Every rank sends its stages' ``tied_parameters``; a key any stage declares ties every parameter
+    declared under that key in any stage. A key held by one stage index only (its mirrored DualPipe copies
+    aside) ties nothing and is refused: a declaration that ties nothing is a mistake, never a no-op. Problems
     found on one rank are raised on every rank, so no rank waits for a collective in vain.
     """
-    mine = [(c, s, *_declared(m)) for (c, s), m in zip(local, modules)]
+    mine = [(c, s, *declared_ties(m)) for (c, s), m in zip(local, modules)]
     experts = sum(1 for m in modules for p in m.parameters() if weight_kind(p) == "expert")
     first = _gathered((pp_rank, label, mine, experts), group)
     problems = [f"{lab}, stage (chain {c}, stage {s}): {err}" for _, lab, stages, _ in first
                 for c, s, _, err in stages if err]
     if problems:
         raise PipelineError(problems[0])
-    names = sorted({n for _, _, stages, _ in first for _, _, declared, _ in stages for n in declared})
+    keys = sorted({k for _, _, stages, _ in first for _, _, pairs, _ in stages for _, k in pairs})
     total_experts = sum(e for *_, e in first)
-    if not names:
+    if not keys:
         return [], total_experts
-    held = [(c, s, n, tuple(p.shape), str(p.dtype), p.requires_grad) for (c, s), m in zip(local, modules)
-            for n, p in m.named_parameters() if n in names]
+    held = [(c, s, key, fqn, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for (c, s), module, (_, _, pairs, _) in zip(local, modules, mine) for fqn, key, p in _held(module, pairs)]
     copies = [(r, lab, *h) for r, lab, hs in _gathered((pp_rank, label, held), group) for h in hs]
-    return _group_ties(names, copies), total_experts
+    return _group_ties(keys, copies), total_experts
 
 
-def _group_ties(names: list[str], copies: list[tuple]) -> list[Tie]:
-    """One ``Tie`` per set of holding pp ranks (checked: one shape and dtype per name, all trainable)."""
+def _group_ties(keys: list[str], copies: list[tuple]) -> list[Tie]:
+    """One ``Tie`` per set of holding pp ranks (checked: one shape and dtype per key, all trainable, on two
+    stages at least). A copy is (pp rank, label, chain, stage, key, fqn, shape, dtype, requires_grad)."""
     by_holders: dict[tuple[int, ...], list[tuple[str, list[tuple]]]] = {}
-    for name in names:
-        mine = [cp for cp in copies if cp[4] == name]
+    for key in keys:
+        mine = [cp for cp in copies if cp[4] == key]
         if not mine:
-            raise PipelineError(f"tied_parameters names {name!r}, which is not a parameter of any stage module; "
-                                "names are FQNs within the stage module (as in module.named_parameters())")
-        kinds = {(cp[5], cp[6]) for cp in mine}
+            raise PipelineError(f"tied_parameters names {key!r}, which no stage module holds; a tuple names parameters "
+                                "by their FQN within the stage module (as in module.named_parameters()), a "
+                                "{FQN: key} mapping ties them under key")
+        kinds = {(cp[6], cp[7]) for cp in mine}
         if len(kinds) > 1:
-            where = "; ".join(f"{cp[1]}, stage (chain {cp[2]}, stage {cp[3]}): shape {cp[5]}, {cp[6]}" for cp in mine)
-            raise PipelineError(f"tied parameter {name!r} differs between its copies ({where}); tied copies must "
+            where = "; ".join(f"{cp[1]}, stage (chain {cp[2]}, stage {cp[3]}) {cp[5]!r}: shape {cp[6]}, {cp[7]}"
+                              for cp in mine)
+            raise PipelineError(f"tied parameter {key!r} differs between its copies ({where}); tied copies must "
                                 "have one shape and dtype")
-        frozen = [cp for cp in mine if not cp[7]]
+        frozen = [cp for cp in mine if not cp[8]]
         if frozen:
-            raise PipelineError(f"tied parameter {name!r} does not require grad in {frozen[0][1]}, stage (chain "
+            raise PipelineError(f"tied parameter {key!r} does not require grad in {frozen[0][1]}, stage (chain "
                                 f"{frozen[0][2]}, stage {frozen[0][3]}); freeze every copy or none")
         if len({cp[3] for cp in mine}) < 2:
-            continue  # one stage (and its mirrored copies): the stage's own reduction handles it
+            cp = mine[0]
+            raise PipelineError(f"tied parameter {key!r} is declared by stage {cp[3]} only ({cp[1]}, {cp[5]!r}); a tie "
+                                "needs a copy on another stage declared under the same key (the same FQN, or the "
+                                "same key of a {FQN: key} mapping): declare it there too, or drop the declaration")
         holders = tuple(sorted({cp[0] for cp in mine}))
-        by_holders.setdefault(holders, []).append((name, mine))
+        by_holders.setdefault(holders, []).append((key, mine))
     ties = []
     for holders, entries in sorted(by_holders.items()):
         stages = tuple(sorted({(cp[2], cp[3]) for _, mine in entries for cp in mine}))
-        ties.append(Tie(tuple(n for n, _ in entries), holders, stages))
+        ties.append(Tie(tuple(k for k, _ in entries), holders, stages))
     return ties
 
 
@@ -311,7 +336,10 @@ def _tie_syncs(ties: list[Tie], groups: Groups, local: Sequence[tuple[int, int]]
     tie_groups = groups.stage_sync_groups([t.holders for t in ties], "dense") if ties else {}
     out = []
     for i, tie in enumerate(ties):
-        held = [((c, s), dict(m.named_parameters())) for (c, s), m in zip(local, modules) if (c, s) in tie.stages]
+        held = []
+        for (c, s), m in zip(local, modules):
+            if (c, s) in tie.stages:
+                held.append(((c, s), {key: p for _, key, p in _held(m, declared_ties(m)[0])}))
         if not held:
             continue
         g = tie_groups.get(i)

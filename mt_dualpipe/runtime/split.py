@@ -6,11 +6,19 @@ that the most expensive stage is as cheap as possible (the pipeline runs at the 
 stage); a layer's cost is its parameter count unless ``costs`` are given (e.g. measured times).
 Every chain of a placement runs the same stages, so a dual placement's second chain gets the same
 cut (its modules are the mirrored copies a ``DualPipe`` keeps in sync).
+
+A stage is a ``SplitStage``: its layers run in order, a layer's tuple output unpacked into the next layer's
+arguments, so stages take and return several tensors (ids with an attention mask or position ids, hidden
+states with vision features) as hand-made stages do. A parameter that layers on different stages share (a tied
+embedding and head, found by identity over the whole model, before the cut) is declared in each holder's
+``tied_parameters`` under one key, so every ``Pipeline`` sums its copies' gradients whatever ranks they land
+on; undeclared, the copies would train apart and every gradient of them would be wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -31,15 +39,46 @@ def _placement(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple
         raise PipelineError(str(exc)) from None
 
 
+class SplitStage(nn.Sequential):
+    """Layers run in order; a tuple output is unpacked into the next layer's arguments (the stage's own
+    arguments into the first layer's), so a stage passes several tensors on. ``tied_parameters``: the
+    weights it shares with other stages ({FQN: key}, ``split_model`` fills it)."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.tied_parameters: dict[str, str] = {}
+
+    def forward(self, *inputs: Any) -> Any:
+        out: Any = inputs
+        for layer in self:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        return out
+
+
+def shared_parameters(layers: Sequence[nn.Module]) -> dict[int, str]:
+    """id(parameter) -> tie key, for every parameter that two or more ``layers`` hold (by identity)."""
+    holders: dict[int, set[int]] = {}
+    order: list[int] = []
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if id(p) not in holders:
+                holders[id(p)] = set()
+                order.append(id(p))
+            holders[id(p)].add(i)
+    shared = [pid for pid in order if len(holders[pid]) > 1]
+    return {pid: f"shared.{k}" for k, pid in enumerate(shared)}
+
+
 def split_model(layers: nn.Sequential | Sequence[nn.Module], schedule: str | Schedule, rank: int,
                 num_ranks: int | None = None, *, costs: Sequence[float] | None = None,
                 schedule_options: dict | None = None) -> list[nn.Module]:
     """The stage modules of ``rank`` for ``schedule``, in the order ``Pipeline`` takes them.
 
     ``layers`` is cut into the schedule's stages (contiguous, balanced by parameter count or by
-    ``costs``, one number per layer); each stage is an ``nn.Sequential`` of its layers (the layer
-    objects themselves, not copies). ``num_ranks`` defaults to the world size of the initialised
-    default process group. Pass the result to ``Pipeline(split_model(...), schedule)``.
+    ``costs``, one number per layer); each stage is a ``SplitStage`` of its layers (the layer objects
+    themselves, not copies), declaring the weights it shares with other stages. ``num_ranks`` defaults to
+    the world size of the initialised default process group. Pass the result to
+    ``Pipeline(split_model(...), schedule)``.
     """
     layers = list(layers)
     if num_ranks is None:
@@ -58,5 +97,15 @@ def split_model(layers: nn.Sequential | Sequence[nn.Module], schedule: str | Sch
     elif len(costs) != len(layers) or any(c < 0 for c in costs):
         raise PipelineError(f"costs must be {len(layers)} non-negative numbers, one per layer; got {list(costs)}")
     bounds = balanced_cuts(list(costs), num_stages)
-    local = [s for chain in placement for s, r in enumerate(chain) if r == rank]
-    return [nn.Sequential(*layers[bounds[s]: bounds[s + 1]]) for s in local]
+    shared = shared_parameters(layers)
+    stage_of = {i: s for s in range(num_stages) for i in range(bounds[s], bounds[s + 1])}
+    across = {key for pid, key in shared.items()
+              if len({stage_of[i] for i, layer in enumerate(layers)
+                      for p in layer.parameters() if id(p) == pid}) > 1}
+    out = []
+    for s in (s for chain in placement for s, r in enumerate(chain) if r == rank):
+        stage = SplitStage(*layers[bounds[s]: bounds[s + 1]])
+        stage.tied_parameters = {fqn: shared[id(p)] for fqn, p in stage.named_parameters()
+                                 if id(p) in shared and shared[id(p)] in across}
+        out.append(stage)
+    return out

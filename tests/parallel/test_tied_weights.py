@@ -158,10 +158,12 @@ def test_bad_ties_are_refused_on_every_rank() -> None:
     out = run_ranks(_errors, 2, timeout=90)
     for rank, o in enumerate(out):
         assert o["shape"] == ("tied parameter 'tied.bias' differs between its copies (rank 0, stage (chain 0, "
-                              "stage 0): shape (8,), torch.float64; rank 1, stage (chain 0, stage 1): shape (4,), "
-                              "torch.float64); tied copies must have one shape and dtype"), o["shape"]
-        assert o["typo"] == ("tied_parameters names 'tied.wieght', which is not a parameter of any stage module; names "
-                             "are FQNs within the stage module (as in module.named_parameters())")
+                              "stage 0) 'tied.bias': shape (8,), torch.float64; rank 1, stage (chain 0, stage 1) "
+                              "'tied.bias': shape (4,), torch.float64); tied copies must have one shape and dtype"), \
+            o["shape"]
+        assert o["typo"] == ("tied_parameters names 'tied.wieght', which no stage module holds; a tuple names "
+                             "parameters by their FQN within the stage module (as in module.named_parameters()), a "
+                             "{FQN: key} mapping ties them under key")
         assert o["mirrored"] == (f"rank {rank}: this DualPipe was built with tied_parameters, so step() already "
                                  "summed the mirrored copies at each stage's REDUCE_GRAD; do not call "
                                  "sync_mirrored_grads()")

@@ -90,7 +90,8 @@ class DeepSeekV3Stage(nn.Module):
         # The MTP modules read the main embedding: the first and the last stage each hold it (one module when
         # both are on one rank: share_local_embedding; else copies whose gradients the pipeline sums). The head
         # lives on the last stage only: nothing else is tied.
-        self.tied_parameters: tuple[str, ...] = ("embed.weight",) if hasattr(self, "embed") else ()
+        both = num_stages > 1 and config.mtp_depth > 0  # the first stage embeds, the last one's MTP reads it too
+        self.tied_parameters: tuple[str, ...] = ("embed.weight",) if hasattr(self, "embed") and both else ()
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
