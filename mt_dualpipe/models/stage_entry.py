@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ __all__ = ["criterion_for", "family_of", "stages_for_rank"]
 
 
 def _is_transformers_model(model: Any) -> bool:
-    return type(model).__module__.startswith("transformers.") and isinstance(model, nn.Module)
+    transformers = sys.modules.get("transformers")  # holding one, the caller has imported transformers
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def family_of(model: nn.Module) -> Family:

@@ -13,6 +13,7 @@ model through the same functions, which is how it is checked against transformer
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -22,8 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .support import layer_types
-
-_LAYER_ARGS = ("attention_mask", "position_embeddings", "position_ids")
 
 
 class LayerInputs:
@@ -58,11 +57,20 @@ class LayerInputs:
                 for i, t in self.types.items()}
 
 
+@functools.cache
+def _accepted(layer_class: type) -> frozenset[str] | None:
+    """The keyword arguments a layer class's forward takes, None when it takes any (``**kwargs``)."""
+    params = inspect.signature(layer_class.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
+
+
 def call_layer(layer: nn.Module, hidden: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
     """``layer(hidden, **inputs)`` with the arguments its forward takes; its hidden states (a tuple's first)."""
-    params = inspect.signature(layer.forward).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        inputs = {k: v for k, v in inputs.items() if k in params}
+    accepted = _accepted(type(layer))
+    if accepted is not None:
+        inputs = {k: v for k, v in inputs.items() if k in accepted}
     out = layer(hidden, **inputs)
     return out[0] if isinstance(out, tuple) else out
 

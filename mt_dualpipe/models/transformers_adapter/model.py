@@ -66,8 +66,13 @@ class AdaptedCausalLM(nn.Module):
             length = min(CHECK_TOKENS, int(getattr(self.config.hf, "max_position_embeddings", CHECK_TOKENS)))
             tokens = torch.randint(0, self.config.vocab_size, (1, length), generator=g)
         tokens = tokens.to(self.model.embed_tokens.weight.device)
-        ours = self(tokens).float()
-        theirs = self.transformers_model(tokens).logits.float()
+        training = self.transformers_model.training
+        self.transformers_model.eval()  # no dropout: the two forwards must see the same function
+        try:
+            ours = self(tokens).float()
+            theirs = self.transformers_model(tokens).logits.float()
+        finally:
+            self.transformers_model.train(training)
         scale = float(theirs.abs().max()) or 1.0
         diff = float((ours - theirs).abs().max()) / scale
         dtype = self.model.embed_tokens.weight.dtype

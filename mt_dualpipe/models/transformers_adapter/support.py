@@ -17,7 +17,8 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
-DOCS = 'docs/models.md, section "Any transformers decoder-only model"'
+from ..registry import ADAPTER_DOCS as DOCS
+
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 PIPELINE_PARTS = ("embed_tokens", "layers", "norm")
 TAKES = ("It takes transformers' decoder-only causal LMs built as embed_tokens -> layers -> norm whose layers "
