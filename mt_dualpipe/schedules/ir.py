@@ -11,7 +11,8 @@ interchange ``mt-dualpipe.schedule/1``, a fixed layout other tools read::
     {"format": "mt-dualpipe.schedule/1", "name": str, "num_ranks": P, "num_microbatches": M,
      "placement": [[rank of stage s, for s in chain] for each chain],
      "microbatch_chain": [chain of micro-batch m, for m in 0..M-1],
-     "ranks": [[op, ...] for each rank]}
+     "ranks": [[op, ...] for each rank],
+     "microbatch_order": [the step's micro-batch that slot m runs, for m in 0..M-1]}   (optional)
     op: {"op": "F"|"B"|"W"|"BW"|"REDUCE_GRAD", "chain": c, "stage": s, "mb": m} or {"op": "FB", "f": <F>, "b": <B|BW>}
 
 and torch.distributed.pipelining's compute-only CSV actions (``schedule_to_pipelining_csv``).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple, TypeVar, Union
 
 from . import ops as K
 from .errors import ScheduleError
@@ -93,6 +94,24 @@ class CommBatch(NamedTuple):
 
 ComputeItem = Union[Op, FB]
 Instruction = Union[Op, FB, CommBatch]
+T = TypeVar("T")
+
+
+def check_microbatch_order(order: object, num_microbatches: int) -> tuple[int, ...]:
+    """``order`` as a tuple of ints if it is a permutation of 0..M-1; else ``ScheduleError`` saying what is wrong."""
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+        raise ScheduleError(f"microbatch_order must be a list of micro-batch indices, got {order!r}")
+    if any(isinstance(m, bool) or not isinstance(m, int) for m in order):
+        raise ScheduleError(f"microbatch_order must hold integers, got {list(order)!r}")
+    if len(order) != num_microbatches:
+        raise ScheduleError(f"microbatch_order has {len(order)} entries, expected one per micro-batch "
+                            f"(num_microbatches={num_microbatches})")
+    if sorted(order) != list(range(num_microbatches)):
+        missing = sorted(set(range(num_microbatches)) - set(order))
+        outside = sorted(set(order) - set(range(num_microbatches)))
+        raise ScheduleError(f"microbatch_order must name each micro-batch 0..{num_microbatches - 1} once; "
+                            f"missing {missing}" + (f", out of range {outside}" if outside else ""))
+    return tuple(int(m) for m in order)
 
 
 compute_parts = parts
@@ -106,6 +125,13 @@ class Schedule:
     ``placement[c][s]`` is the rank that runs stage ``s`` of chain ``c``; ``microbatch_chain[m]``
     is the chain micro-batch ``m`` flows through. ``meta`` keeps the options the generator was
     built with (for example ``virtual_stages``), for display only.
+
+    The ops name micro-batch *slots* 0..M-1. ``microbatch_order[m]`` is the micro-batch of the
+    step (its index in the order the data arrives) that slot ``m`` runs: a permutation that a
+    schedule built for uneven micro-batches chooses (``auto`` with ``Costs.mb_scale``), so that,
+    say, a long sequence does not enter first or last. None means slot m runs micro-batch m. A
+    runtime feeds slot m with ``to_slots(micro_batches)[m]`` and puts per-slot results back in
+    arrival order with ``from_slots``; the simulator reads each slot's cost factor through it.
     """
 
     name: str
@@ -115,6 +141,7 @@ class Schedule:
     microbatch_chain: tuple[int, ...]
     ranks: list[list[ComputeItem]]
     meta: dict = field(default_factory=dict)
+    microbatch_order: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.placement = tuple(tuple(int(r) for r in chain) for chain in self.placement)
@@ -128,6 +155,8 @@ class Schedule:
                 f"microbatch_chain has {len(self.microbatch_chain)} entries, "
                 f"expected num_microbatches={self.num_microbatches}"
             )
+        if self.microbatch_order is not None:
+            self.microbatch_order = check_microbatch_order(self.microbatch_order, self.num_microbatches)
 
     # ----- placement queries -------------------------------------------------------------------
     @property
@@ -151,6 +180,27 @@ class Schedule:
 
     def microbatches_of(self, chain: int) -> list[int]:
         return [m for m, c in enumerate(self.microbatch_chain) if c == chain]
+
+    # ----- which micro-batch of the step each slot runs ------------------------------------------
+    def arrival_of(self, slot: int) -> int:
+        """The step's micro-batch (index in arrival order) that slot ``slot`` of the ops runs."""
+        return slot if self.microbatch_order is None else self.microbatch_order[slot]
+
+    def to_slots(self, micro_batches: Sequence[T]) -> list[T]:
+        """``micro_batches`` (one per micro-batch, in arrival order) as the slots run them: item m is
+        what slot m (the ops' ``mb == m``) takes."""
+        if len(micro_batches) != self.num_microbatches:
+            raise ScheduleError(f"got {len(micro_batches)} micro-batches, the schedule runs {self.num_microbatches}")
+        return [micro_batches[self.arrival_of(m)] for m in range(self.num_microbatches)]
+
+    def from_slots(self, per_slot: Sequence[T]) -> list[T]:
+        """The inverse of ``to_slots``: per-slot results (outputs, losses) back in arrival order."""
+        if len(per_slot) != self.num_microbatches:
+            raise ScheduleError(f"got {len(per_slot)} per-slot results, the schedule runs {self.num_microbatches}")
+        out: list = [None] * self.num_microbatches
+        for m, item in enumerate(per_slot):
+            out[self.arrival_of(m)] = item
+        return out
 
     @property
     def splits_backward(self) -> bool:
@@ -221,7 +271,7 @@ class Program:
         """The program without its communication: what simulation and compute validation read."""
         s = self.schedule
         return Schedule(s.name, s.num_ranks, s.num_microbatches, s.placement, s.microbatch_chain,
-                        [self.compute_ops(r) for r in range(s.num_ranks)], s.meta)
+                        [self.compute_ops(r) for r in range(s.num_ranks)], s.meta, s.microbatch_order)
 
     def num_comm_ops(self) -> int:
         return sum(len(i.ops) for ops in self.ranks for i in ops if type(i) is CommBatch)
@@ -254,6 +304,7 @@ def schedule_to_dict(schedule: Schedule) -> dict:
         "placement": [list(c) for c in schedule.placement],
         "microbatch_chain": list(schedule.microbatch_chain),
         "ranks": [[item_to_dict(i) for i in ops] for ops in schedule.ranks],
+        **({} if schedule.microbatch_order is None else {"microbatch_order": list(schedule.microbatch_order)}),
     }
 
 
@@ -293,7 +344,8 @@ def schedule_from_dict(data: dict) -> Schedule:
         raise ScheduleError(f"schedule JSON lacks the field(s) {', '.join(missing)}")
     ranks = [[item_from_dict(d, f"rank {r} op {i}") for i, d in enumerate(ops)] for r, ops in enumerate(data["ranks"])]
     return Schedule(str(data["name"]), int(data["num_ranks"]), int(data["num_microbatches"]),
-                    data["placement"], data["microbatch_chain"], ranks)
+                    data["placement"], data["microbatch_chain"], ranks,
+                    microbatch_order=data.get("microbatch_order"))
 
 
 def schedule_from_json(text: str) -> Schedule:

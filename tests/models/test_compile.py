@@ -167,7 +167,8 @@ def _pipeline_worker(rank: int, world: int, kind: str, schedule: str) -> dict:
     from mt_dualpipe.models.deepseek_v3 import criterion_for, stages_for_rank, sync_replicas
     from mt_dualpipe.models.llama.stages import stages_for_rank as llama_for_rank
     from mt_dualpipe.schedules.registry import build_schedule
-    from tests.models.test_recompute import batch, overlap_counter
+    from tests.helpers.fb_units import fb_unit_counter
+    from tests.models.test_recompute import batch
 
     num_mb = 4
     sched = build_schedule(schedule, world, num_mb)
@@ -187,7 +188,7 @@ def _pipeline_worker(rank: int, world: int, kind: str, schedule: str) -> dict:
         inputs = [torch.cat([data[m][0] for m in sched.microbatches_of(first[0])])] if first else []
         labels = (torch.cat([data[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
         graphs = []
-        with overlap_counter() as overlapped:
+        with fb_unit_counter() as overlapped:
             for _ in range(2):
                 for m in mods:
                     m.zero_grad(set_to_none=True)
@@ -210,7 +211,7 @@ def test_compiled_stages_in_a_pipeline_match_eager(kind, schedule):
         assert compiled["closures"] == eager["closures"] > 0
         first, second, end = compiled["graphs"]
         assert second > first and end == second  # no recompilation at the second step
-        if schedule == "dualpipe":  # the overlapped F&B ran the compiled blocks
+        if schedule == "dualpipe":  # DualPipe's F&B units ran the compiled blocks
             assert compiled["overlapped"] > 0
 
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
-    DeepSeekV3Stage,
     criterion_for,
     stages_for_rank,
     sync_replicas,
@@ -24,6 +23,7 @@ from mt_dualpipe.models.deepseek_v3 import (
 from mt_dualpipe.models.deepseek_v3.moe import MoE
 from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
+from tests.helpers.fb_units import fb_unit_counter
 
 torch.set_num_threads(1)
 
@@ -113,17 +113,12 @@ def _pipeline_worker(rank, world, schedule, num_mb, layout, savers=""):
     shared = len(holders) == 2 and holders[0].embed is holders[1].embed
     assert shared or len(holders) < 2
     pipe = (DualPipe if schedule == "dualpipe" else DualPipeV)(tuple(mods), timeout=60)
-    calls = []  # count the overlapped F&B units the runtime hands to the stage class
-    plain = DeepSeekV3Stage.__dict__["overlapped_forward_backward"].__func__
-    DeepSeekV3Stage.overlapped_forward_backward = classmethod(lambda cls, *a: (calls.append(1), plain(cls, *a))[1])
     first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]
     last = [c for c, ranks in enumerate(sched.placement) if ranks[-1] == rank]
     inputs = [torch.cat([data[m][0] for m in sched.microbatches_of(first[0])])] if first else []
     labels = (torch.cat([data[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
-    try:
+    with fb_unit_counter() as calls:  # the F&B units the step runs
         loss, _ = pipe.step(*inputs, num_chunks=num_mb, criterion=criterion_for(mods), labels=labels)
-    finally:
-        DeepSeekV3Stage.overlapped_forward_backward = classmethod(plain)
     if last:
         expected = torch.stack([ref_losses[m] for m in sched.microbatches_of(last[0])])
         torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)

@@ -4,8 +4,6 @@ and 2-rank pipelines."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +15,7 @@ from mt_dualpipe.models.llama.stages import build_stages as llama_stages
 from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter, apply_recompute
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from tests.helpers.dist import run_ranks
+from tests.helpers.fb_units import fb_unit_counter
 
 torch.set_num_threads(1)
 MODELS = ("deepseek", "llama")
@@ -131,7 +130,7 @@ def _pipeline_worker(rank, world, kind, schedule, num_mb):
         labels = (torch.cat([data[m][1] for m in sched.microbatches_of(last[0])]),) if last else ()
         criterion = criterion_for(mods)
         pipe.record_activation_bytes = True  # the runtime's own peak of saved-activation bytes on this rank
-        with overlap_counter() as overlapped:
+        with fb_unit_counter() as overlapped:
             pipe.step(*inputs, num_chunks=num_mb, criterion=criterion, labels=labels)
         sync_replicas(mods, dist.group.WORLD)
         grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(mods) for n, p in m.named_parameters()
@@ -147,20 +146,6 @@ def _pipeline_worker(rank, world, kind, schedule, num_mb):
         for c in calls:  # every region ran an even number of times: once in F, once in B per micro-batch
             assert c and all(v % 2 == 0 and v > 0 for v in c.values()), c
     return {p: out[p][2] for p in POLICIES}, {p: out[p][3] for p in POLICIES}
-
-
-@contextmanager
-def overlap_counter():
-    """Count the overlapped F&B units the runtime hands to the DeepSeek-V3 stage class."""
-    from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Stage
-
-    calls: list[int] = []
-    plain = DeepSeekV3Stage.__dict__["overlapped_forward_backward"].__func__
-    DeepSeekV3Stage.overlapped_forward_backward = classmethod(lambda cls, *a: (calls.append(1), plain(cls, *a))[1])
-    try:
-        yield calls
-    finally:
-        DeepSeekV3Stage.overlapped_forward_backward = classmethod(plain)
 
 
 PIPELINE_SCHEDULES = ("zb-h1", "zbv", "dualpipe")

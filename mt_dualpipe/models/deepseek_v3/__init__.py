@@ -1,5 +1,5 @@
 """DeepSeek-V3 for mt_dualpipe: the model (MLA, DeepSeekMoE, MTP), its pipeline stages, expert
-parallelism over all-to-all, and the overlapped forward/backward DualPipe pairs with.
+parallelism over all-to-all (the shared layer's dispatcher, whose all-to-alls DualPipe's F&B units overlap).
 
 On each rank of a pp x dp x ep mesh (see ``examples/deepseek_v3_repro.py`` for the whole loop)::
 
@@ -51,13 +51,11 @@ from .stages import (
 )
 from .yarn import YarnScaling
 
-overlapped_forward_backward = DeepSeekV3Stage.overlapped_forward_backward
-
 __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
     "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
     "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
-    "overlapped_forward_backward", "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
+    "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
     "stages_for_rank",
     "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
     "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",

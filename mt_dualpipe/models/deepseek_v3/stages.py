@@ -17,7 +17,9 @@ loops that run stage modules without a ``Pipeline``.
 
 The runtime contract: ``stage(*inputs)`` takes the previous stage's outputs (token ids on the
 first stage) and returns the hidden states; the last stage's ``criterion(hidden, labels)`` returns
-the training loss (main + λ·MTP; the MoE balance loss enters through its gradient).
+the training loss (main + λ·MTP; the MoE balance loss enters through its gradient). DualPipe's F&B units
+overlap the MoE all-to-alls through the shared dispatcher's overlap points (``runtime/overlap.py``): no
+stage code of its own.
 
 Stages are built with ``DeferredLinear`` layers by default (``defer_weight_grads=True``): under a
 zero-bubble schedule B then computes only input gradients (plus the cheap norm, gate and embedding
@@ -39,7 +41,6 @@ from ...fp8 import convert_to_fp8
 from ...layers.expert_parallel import mesh_ep_group
 from ...layers.replicas import parameter_grads, sum_copies
 from ...parallel.device import collective_device
-from ...runtime.backward import run_backward
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
 from ..compile import check_backend, compile_stage
@@ -61,7 +62,6 @@ from .model import (
     language_model_losses,
 )
 from .moe import mark_expert_weights
-from .overlap import CaptureSlot, Steps, Tape, backward_side, drive, interleave, seal
 from .stage_balance import balanced_layout
 
 
@@ -76,7 +76,6 @@ class DeepSeekV3Stage(nn.Module):
         self.config, self.index, self.num_stages = config, index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.loss_log: list[tuple[float, list[float]]] = []  # (main, [mtp_k]) of each criterion call
-        self.capture = CaptureSlot()  # the overlapped F&B parks this stage's tape backward here
         with deferred_init():
             if self.is_first or (self.is_last and config.mtp_depth):
                 self.embed = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
@@ -108,7 +107,7 @@ class DeepSeekV3Stage(nn.Module):
         latent norms, RoPE, softmax) and the dense FFN or the shared experts (SwiGLU), and the final
         norm; their linears stay eager so their weight GEMMs still wait for W. The router, the routed
         experts (row counts change with the routing) and the dispatch / combine stay eager. The
-        overlapped F&B's pieces call these modules, so DualPipe's F&B runs them compiled too."""
+        F&B units run the same modules, so they run them compiled too."""
         targets: list[nn.Module] = []
         for block in self.layers.values():
             targets += [block.attn_norm, block.attn, block.ffn_norm]
@@ -132,29 +131,17 @@ class DeepSeekV3Stage(nn.Module):
 
     # ----- forward ---------------------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        (out,) = self._forward(inputs, Tape(record=torch.is_grad_enabled()), None)
-        return out
-
-    def _forward(self, inputs: Sequence[torch.Tensor], tape: Tape, other: Steps | None) -> tuple:
         if len(inputs) != 1:
             raise ValueError(f"{self.extra_repr()}: expected 1 input (token ids on the first stage, hidden states "
                              f"after), got {len(inputs)}")
-        tape.slot = self.capture
-        entries = tape.enter(inputs)
-        if other is None:
-            finals = drive(self._steps(tape, entries[0]))
-        else:
-            finals, _ = interleave(self._steps(tape, entries[0]), other)
-        return seal(tape, inputs, finals)
-
-    def _steps(self, tape: Tape, x: torch.Tensor) -> Steps:
+        x = inputs[0]
         if self.is_first:
             if x.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"the first stage takes token ids (int64), got a {x.dtype} tensor")
-            x = tape.run(self.embed, x)
+            x = self.embed(x)
         for block in self.layers.values():
-            x = yield from block_steps(block, tape, x)
-        return [x]
+            x = block(x)
+        return x
 
     # ----- loss (last stage) -----------------------------------------------------------------------
     def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None) -> LossParts:
@@ -170,44 +157,6 @@ class DeepSeekV3Stage(nn.Module):
         parts = self.losses(h, labels, normalizer)
         self.loss_log.append((float(parts.main.detach()), [float(m.detach()) for m in parts.mtp]))
         return parts.total
-
-    # ----- DualPipe's overlapped F&B -----------------------------------------------------------------
-    @classmethod
-    def overlapped_forward_backward(cls, module0: DeepSeekV3Stage, inputs0: list, criterion0: Any, labels0: list,
-                                    module1: DeepSeekV3Stage, loss1: torch.Tensor | None, outputs1: list,
-                                    output_grads1: list) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """F of micro-batch 0 on ``module0`` interleaved piece by piece with the backward of micro-batch 1
-        on ``module1`` (from ``loss1`` on a last stage, else from ``outputs1``/``output_grads1``).
-        Bit-identical to the forward followed by the backward."""
-        back = backward_side(loss1, outputs1, output_grads1, module1.capture)
-        if back is None:  # outputs not produced by a stage tape: nothing to interleave
-            run_backward(outputs1, output_grads1)
-        outputs0 = list(module0._forward(inputs0, Tape(record=torch.is_grad_enabled()), back))
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        return outputs0, loss0
-
-
-def block_steps(block: Block, tape: Tape, x: torch.Tensor) -> Steps:
-    """One block as pieces; a MoE block yields after posting its dispatch and its combine."""
-    if not block.is_moe:
-        return tape.run(block, x)
-    moe = block.ffn
-
-    def attention_and_route(x):
-        x1 = block.attention(x)
-        h = block.ffn_norm(x1)
-        weights, _, plan, rows = moe.route(h)
-        return x1, h, weights, rows, plan
-
-    x1, h, weights, rows, plan = tape.run(attention_and_route, x)
-    wait = tape.exchange(rows, plan.recv_splits, plan.send_splits, moe.ep_group, "dispatch", moe.ep_timeout,
-                         fp8=moe.fp8_dispatch)
-    yield
-    rows, shared = tape.run(lambda r, h: (moe.run_experts(r, plan), moe.shared(h)), wait(), h)
-    wait = tape.exchange(rows, plan.send_splits, plan.recv_splits, moe.ep_group, "combine", moe.ep_timeout)
-    yield
-    return tape.run(lambda r, w, s, x1: x1 + moe.combine(r, w, plan, s, x1.shape), wait(), weights, shared, x1)
-
 
 # ----- building and placing stages -------------------------------------------------------------------
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
