@@ -20,6 +20,8 @@ _LAZY = {
     "split_model": "mt_dualpipe.runtime.split",
     "profile": "mt_dualpipe.planner.profile",
     "from_pretrained": "mt_dualpipe.models.registry",
+    "stages_for_rank": "mt_dualpipe.models.stage_entry",
+    "criterion_for": "mt_dualpipe.models.stage_entry",
 }
 
 

@@ -34,13 +34,17 @@ def deferred_init() -> Iterator[None]:
 
 
 def init_normal(module: nn.Module, std: float) -> None:
-    """Linears and embeddings ~ N(0, std²), linear biases zero (as transformers' ``_init_weights``; under
-    ``deferred_init`` nothing else initialises them), norm weights keep their ones; meta tensors are skipped."""
+    """Linears and embeddings ~ N(0, std²), linear biases and an embedding's padding row zero (as transformers'
+    ``_init_weights``; under ``deferred_init`` nothing else initialises them), norm weights keep their ones; meta
+    tensors are skipped."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)) and not m.weight.is_meta:
             nn.init.normal_(m.weight, 0.0, std)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
 
 
 @runtime_checkable

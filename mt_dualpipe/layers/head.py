@@ -12,9 +12,12 @@ from ..parallel.device import collective_device
 from .common import compute_dtype
 
 
-def embedding(vocab: int, hidden: int) -> nn.Embedding:
-    """``embed_tokens`` (transformers' name)."""
-    return nn.Embedding(vocab, hidden)
+def embedding(vocab: int, hidden: int, padding_idx: int | None = None) -> nn.Embedding:
+    """``embed_tokens`` (transformers' name). ``padding_idx`` (the config's ``pad_token_id``): as in transformers,
+    that row gets no gradient from the lookup (a tied head still trains it) and starts at zero."""
+    if padding_idx is not None and not 0 <= padding_idx < vocab:
+        raise ValueError(f"pad_token_id {padding_idx} is outside the vocabulary 0..{vocab - 1}")
+    return nn.Embedding(vocab, hidden, padding_idx)
 
 
 def lm_head(hidden: int, vocab: int) -> nn.Linear:

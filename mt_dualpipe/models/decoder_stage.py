@@ -106,9 +106,7 @@ class DecoderStage(nn.Module):
         holding different numbers of masked targets add up to the step's token mean."""
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
-        tied = self.config.tie_word_embeddings
-        weight = self.decoder.embed_tokens.weight if tied else self.lm_head.weight
-        out = logits(self.decoder.norm(h), weight)
+        out = self.head_logits(h)
         keep = bool(getattr(self.config, "saves", lambda name: False)("loss"))  # the "loss" saver (layers.savers)
         if normalizer is None:
             loss = self.loss_fn(out, labels, ignore_index=-100, keep_logits=keep)
@@ -116,6 +114,11 @@ class DecoderStage(nn.Module):
             loss = self.loss_fn(out, labels, ignore_index=-100, normalizer=1.0, keep_logits=keep) / normalizer
         self.loss_log.append(float(loss.detach()))
         return loss
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits: the final norm, then the head (the embedding matrix when tied)."""
+        weight = self.decoder.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return logits(self.decoder.norm(h), weight)
 
     @torch.no_grad()
     def load_from(self, model: nn.Module) -> DecoderStage:

@@ -1,6 +1,11 @@
 """The families, in one table: ``from_pretrained(path)`` reads ``config.json``'s ``model_type``, and the planner
 takes a family's preset by name or its ``config.json`` as shipped (``planner_specs.py``).
 
+A ``model_type`` with no native family here loads through ``ADAPTER``, the transformers adapter
+(``models/transformers_adapter``), when it is a transformers decoder-only causal LM the adapter takes; otherwise
+the error names the native families, the adapter's reason and ``ADAPTER_DOCS``. Native families stay native: the
+table is looked up first.
+
 A family is registered by ``model_type`` -> ``Family`` (its package, model class and config class, the names
 ``mt-dualpipe plan --model`` knows its presets by, and the Hugging Face config keys that shape the planner's
 model) and imported only when asked for, so loading a Qwen3-MoE checkpoint never imports DeepSeek-V3 and vice
@@ -60,6 +65,11 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+ADAPTER = Family("mt_dualpipe.models.transformers_adapter", "AdaptedCausalLM", "AdaptedConfig")
+"""Every other transformers decoder-only causal LM: the model's own modules cut into stages (no planner presets)."""
+ADAPTER_DOCS = 'docs/models.md, section "Any transformers decoder-only model"'
+
+
 def register_family(model_type: str, module: str, class_name: str, config_class: str = "") -> None:
     """Make ``from_pretrained`` load ``model_type`` checkpoints with ``module.class_name``."""
     FAMILIES[model_type] = Family(module, class_name, config_class)
@@ -86,19 +96,41 @@ def model_type_of(path: str | os.PathLike) -> str:
 
 
 def family_entry(model_type: str) -> Family:
-    """The registered ``Family`` of ``model_type`` (a clear error naming the registered ones otherwise)."""
+    """The native ``Family`` of ``model_type`` (what the planner describes; a clear error naming the registered
+    ones and the adapter otherwise)."""
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported; registered: {sorted(FAMILIES)}")
+        raise ValueError(f"model_type {model_type!r} is not supported; registered: {sorted(FAMILIES)}. Other "
+                         "transformers decoder-only causal LMs load through the transformers adapter "
+                         f"(mt_dualpipe.from_pretrained), which has no presets or planner description ({ADAPTER_DOCS})")
     return FAMILIES[model_type]
 
 
+def entry_for(config: dict[str, Any]) -> Family:
+    """The ``Family`` that loads the model of ``config.json`` dict ``config``: the native one of its
+    ``model_type``, else ``ADAPTER`` when the transformers adapter takes it; otherwise an error naming both."""
+    model_type = config.get("model_type")
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    reason = ADAPTER.load("refusal_of")(config)
+    if reason is not None:
+        takes = ADAPTER.load("TAKES")
+        raise ValueError(f"model_type {model_type!r} is not supported: it has no native family (registered: "
+                         f"{sorted(FAMILIES)}) and the transformers adapter cannot take it: {reason}. {takes}; see "
+                         f"{ADAPTER_DOCS}")
+    return ADAPTER
+
+
 def family(model_type: str) -> type:
-    """The model class registered for ``model_type`` (imported now)."""
-    entry = family_entry(model_type)
+    """The model class that loads ``model_type`` (imported now): its native family's, or the transformers
+    adapter's when the adapter takes that type's default config."""
+    entry = entry_for({"model_type": model_type})
     return entry.load(entry.model_class)
 
 
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Any:
-    """The family's model loaded from a Hugging Face folder; ``kwargs`` (``dtype``, ``device``, config
-    overrides, ...) go to the family's own ``from_pretrained``."""
-    return family(model_type_of(path)).from_pretrained(path, **kwargs)
+    """The model of a Hugging Face folder: its native family's, or an ``AdaptedCausalLM`` (any transformers
+    decoder-only causal LM the adapter takes); ``kwargs`` (``dtype``, ``device``, config overrides, ...) go to
+    that class's ``from_pretrained``."""
+    model_type_of(path)  # a folder without a model_type is refused as such
+    entry = entry_for(read_config(path))
+    return entry.load(entry.model_class).from_pretrained(path, **kwargs)

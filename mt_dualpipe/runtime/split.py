@@ -17,6 +17,7 @@ on; undeclared, the copies would train apart and every gradient of them would be
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,36 @@ def _placement(schedule: str | Schedule, num_ranks: int, options: dict) -> tuple
         return schedule_info(schedule).layout(num_ranks, **options).ranks
     except ScheduleError as exc:
         raise PipelineError(str(exc)) from None
+
+
+_KEYWORD_INPUTS = ("position_embeddings", "attention_mask", "position_ids")
+ADAPTER_HINT = ("build the stages from the whole model instead: mt_dualpipe.stages_for_rank(model, schedule, rank) "
+                "with model = mt_dualpipe.from_pretrained(path) or the transformers model itself, and "
+                "mt_dualpipe.criterion_for(stages) as the criterion (docs/models.md, section \"Any transformers "
+                "decoder-only model\")")
+
+
+def _from_transformers(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
+def _check_layers(layers: object) -> list[nn.Module]:
+    """``layers`` as a list; a clear error for what a stack of layers called one after another cannot run: a whole
+    model, or transformers decoder layers (their body hands each one rotary embeddings and a mask)."""
+    if isinstance(layers, nn.Module) and not hasattr(layers, "__iter__"):
+        hint = f"; {ADAPTER_HINT}" if _from_transformers(layers) else ""
+        raise PipelineError(f"split_model takes a stack of layers (nn.Sequential, nn.ModuleList or a list), got a "
+                            f"{type(layers).__name__}{hint}")
+    out = list(layers)  # type: ignore[call-overload]
+    for layer in out:
+        if not _from_transformers(layer):
+            continue
+        wanted = [p for p in inspect.signature(layer.forward).parameters if p in _KEYWORD_INPUTS]
+        if wanted:
+            raise PipelineError(f"split_model got transformers' {type(layer).__name__}, whose forward takes "
+                                f"{', '.join(wanted)} from the model's body, which a stage of layers called one "
+                                f"after another does not pass; {ADAPTER_HINT}")
+    return out
 
 
 class SplitStage(nn.Sequential):
@@ -80,7 +111,7 @@ def split_model(layers: nn.Sequential | Sequence[nn.Module], schedule: str | Sch
     the world size of the initialised default process group. Pass the result to
     ``Pipeline(split_model(...), schedule)``.
     """
-    layers = list(layers)
+    layers = _check_layers(layers)
     if num_ranks is None:
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("split_model needs num_ranks= when torch.distributed is not initialized")

@@ -11,6 +11,7 @@ from mt_dualpipe.models import FAMILIES, family, from_pretrained
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
 from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from mt_dualpipe.models.registry import family_entry
 
 torch.set_num_threads(1)
 
@@ -32,10 +33,17 @@ def test_from_pretrained_returns_the_family_of_the_model_type(tmp_path, kind):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
-def test_unknown_model_type_names_the_registered_ones(tmp_path):
+def test_unknown_model_type_names_the_registered_ones_and_why_the_adapter_cannot_take_it(tmp_path):
+    pytest.importorskip("transformers")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; registered: \['deepseek_v3'"):
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported: it has no native family \(registered: "
+                                         r"\['deepseek_v3', 'llama', 'llava', 'qwen3_moe'\]\) and the transformers "
+                                         r"adapter cannot take it: GPT2LMHeadModel is not built as embed_tokens"):
         from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; registered: \['deepseek_v3', 'llama', "
+                                         r"'llava', 'qwen3_moe'\]. Other transformers decoder-only causal LMs load "
+                                         r"through the transformers adapter"):
+        family_entry("gpt2")  # the planner's lookup: native families only
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         from_pretrained(tmp_path / "nowhere")
     assert set(FAMILIES) >= {"llama", "deepseek_v3", "qwen3_moe"}

@@ -114,6 +114,7 @@ class DeepSeekV3Config(SaverSwitches):
     fp8_dispatch: bool = False
     memory_savers: frozenset[str] = frozenset()
     core_attention: str = "eager"
+    pad_token_id: int | None = None  # the embedding's padding_idx: that row gets no gradient (transformers')
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +125,9 @@ class DeepSeekV3Config(SaverSwitches):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"DeepSeekV3Config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"DeepSeekV3Config.pad_token_id {self.pad_token_id} is outside the vocabulary "
+                             f"0..{self.vocab_size - 1}")
         for name in ("n_dense_layers", "n_shared_experts", "q_lora_rank", "mtp_depth"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeepSeekV3Config.{name} must be >= 0, got {getattr(self, name)}")

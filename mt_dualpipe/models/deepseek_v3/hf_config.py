@@ -31,7 +31,8 @@ _FIELD_MAP: dict[str, str] = {
     "n_activated_experts": "num_experts_per_tok", "n_expert_groups": "n_group", "n_limited_groups": "topk_group",
     "route_scale": "routed_scaling_factor", "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
     "qk_nope_head_dim": "qk_nope_head_dim", "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
-    "mtp_depth": "num_nextn_predict_layers", "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
+    "mtp_depth": "num_nextn_predict_layers", "pad_token_id": "pad_token_id",
+    "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
     "norm_eps": "rms_norm_eps", "init_std": "initializer_range", "balance_loss_weight": "aux_loss_alpha",
     "scoring_func": "scoring_func", "topk_method": "topk_method", "norm_topk_prob": "norm_topk_prob",
     "rope_interleave": "rope_interleave",
@@ -43,7 +44,7 @@ _REQUIRED: dict[str, Any] = {
 }
 _METADATA = frozenset({
     "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
-    "pad_token_id", "use_cache", "ep_size", "seq_aux", "quantization_config", "output_router_logits", "_name_or_path",
+    "use_cache", "ep_size", "seq_aux", "quantization_config", "output_router_logits", "_name_or_path",
     "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder", "output_attentions",
     "output_hidden_states", "problem_type", "return_dict", "head_dim", "qk_head_dim", "num_key_value_heads",
     "rope_scaling", "rope_parameters",

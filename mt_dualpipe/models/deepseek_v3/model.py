@@ -150,10 +150,14 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
 
 
 def init_weights(module: nn.Module, std: float) -> None:
-    """Normal(0, std) for every projection, embedding and gate (report §4.2); norms stay at one."""
+    """Normal(0, std) for every projection, embedding and gate (report §4.2), an embedding's padding row zero
+    (transformers'); norms stay at one."""
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
             nn.init.normal_(m.weight, 0.0, std)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
 
 
 class DeepSeekV3Model(nn.Module):
@@ -163,7 +167,7 @@ class DeepSeekV3Model(nn.Module):
         super().__init__()
         self.config = config
         with deferred_init():
-            self.embed = nn.Embedding(config.vocab_size, config.dim)
+            self.embed = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
             self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in range(config.n_layers)})
             self.norm = RMSNorm(config.dim, config.norm_eps, config.saves("norm"))
             self.head = nn.Linear(config.dim, config.vocab_size, bias=False)

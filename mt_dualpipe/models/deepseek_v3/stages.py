@@ -78,7 +78,7 @@ class DeepSeekV3Stage(nn.Module):
         self.loss_log: list[tuple[float, list[float]]] = []  # (main, [mtp_k]) of each criterion call
         with deferred_init():
             if self.is_first or (self.is_last and config.mtp_depth):
-                self.embed = nn.Embedding(config.vocab_size, config.dim)
+                self.embed = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
             self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in layer_ids})
             if self.is_last:
                 self.norm = RMSNorm(config.dim, config.norm_eps)

@@ -48,7 +48,7 @@ _PRESETS: dict[str, dict[str, Any]] = {
 _REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "model_type": "llama",
              "attention_dropout": 0.0, "pretraining_tp": 1}
 _METADATA = frozenset({
-    "architectures", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+    "architectures", "transformers_version", "torch_dtype", "dtype", "bos_token_id", "eos_token_id",
     "use_cache", "_name_or_path", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
     "output_attentions", "output_hidden_states", "problem_type", "return_dict", "quantization_config",
 })
@@ -73,6 +73,7 @@ class LlamaConfig(SaverSwitches):
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    pad_token_id: int | None = None  # the embedding's padding_idx: that row gets no gradient (transformers')
     hf_extra: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     memory_savers: frozenset[str] = frozenset()
 

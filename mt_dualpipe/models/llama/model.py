@@ -68,7 +68,7 @@ class LlamaBody(nn.Module):
     def __init__(self, config: LlamaConfig, layer_ids: range | list[int], embed: bool, norm: bool) -> None:
         super().__init__()
         if embed:
-            self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in layer_ids})
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.saves("norm"))

@@ -48,10 +48,12 @@ class LlamaStage(DecoderStage):
 
 def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | None = None, *,
                  source: torch.nn.Module | None = None, indices: Sequence[int] | None = None,
-                 checkpoint: Any = None, fp8: bool = False, defer_weight_grads: bool = True,
-                 recompute: str = "none", compile: bool | str = False) -> list[LlamaStage]:
+                 checkpoint: Any = None, dtype: torch.dtype | None = None, fp8: bool = False,
+                 defer_weight_grads: bool = True, recompute: str = "none",
+                 compile: bool | str = False) -> list[LlamaStage]:
     """The stage modules (all, or ``indices``): weights from ``source``, or read per stage from a Hugging
-    Face ``checkpoint`` (only the stage's own tensors), or freshly initialised. ``fp8`` converts the
+    Face ``checkpoint`` (only the stage's own tensors), or freshly initialised; in ``dtype`` (default: the
+    default dtype). ``fp8`` converts the
     linears to ``FP8Linear`` (before loading, so FP8 checkpoint weights stay as stored). ``recompute``:
     ``"none"``, ``"selective"`` or ``"full"`` (``models/recompute.py``). ``compile``: True
     (inductor) or a backend name compiles each layer's memory-bound parts, linears kept out of the
@@ -63,7 +65,7 @@ def build_stages(config: LlamaConfig, num_stages: int, layout: Sequence[int] | N
 
     return build_stage_list(make, range(num_stages) if indices is None else indices, source=source,
                             checkpoint=checkpoint,
-                            load=lambda factory, ckpt: build_loaded(factory, ckpt, fp8=fp8),
+                            load=lambda factory, ckpt: build_loaded(factory, ckpt, dtype=dtype, fp8=fp8), dtype=dtype,
                             prepare=convert_to_fp8 if fp8 else None, recompute=recompute, compile=compile)
 
 
@@ -71,7 +73,7 @@ def stages_for_rank(config: LlamaConfig, schedule: Any, rank: int, layout: Seque
                     **kwargs: Any) -> list[LlamaStage]:
     """This rank's stages for any schedule or placement, in ``local_stages(rank)`` order (what the runtime
     expects); mirrored chains (DualPipe) map chain c's stage s to model stage s. ``kwargs`` go to
-    ``build_stages`` (``source``, ``checkpoint``, ``fp8``, ``defer_weight_grads``, ``recompute``,
+    ``build_stages`` (``source``, ``checkpoint``, ``dtype``, ``fp8``, ``defer_weight_grads``, ``recompute``,
     ``compile``)."""
     num, wanted = local_stage_indices(schedule, rank)
     return build_stages(config, num, layout, indices=wanted, **kwargs)

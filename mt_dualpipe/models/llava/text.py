@@ -44,7 +44,7 @@ class LanguageModel(nn.Module):
     def __init__(self, c: TextConfig, layer_ids: Sequence[int], embed: bool, norm: bool) -> None:
         super().__init__()
         if embed:
-            self.embed_tokens = embedding(c.vocab_size, c.hidden_size)
+            self.embed_tokens = embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(c, i) for i in layer_ids})
         if norm:
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

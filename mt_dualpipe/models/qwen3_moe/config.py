@@ -43,6 +43,7 @@ class Qwen3MoeConfig(SaverSwitches):
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
     output_router_logits: bool = False
+    pad_token_id: int | None = None  # the embedding's padding_idx: that row gets no gradient (transformers')
     memory_savers: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -113,6 +114,7 @@ class Qwen3MoeConfig(SaverSwitches):
             initializer_range=float(data.get("initializer_range", 0.02)),
             router_aux_loss_coef=float(data.get("router_aux_loss_coef", 0.001)),
             output_router_logits=bool(data.get("output_router_logits", False)),
+            pad_token_id=data.get("pad_token_id"),
         )
         return cls(**{**kwargs, **overrides})
 

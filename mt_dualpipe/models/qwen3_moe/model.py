@@ -82,7 +82,7 @@ class Qwen3MoeBody(nn.Module):
                  ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if embed:
-            self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleDict({str(i): Qwen3MoeDecoderLayer(config, i, ep_group) for i in layer_ids})
         if norm:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.saves("norm"))
