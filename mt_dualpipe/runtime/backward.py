@@ -118,7 +118,7 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
             input_nodes.add(x.grad_fn)
     starts = [t.grad_fn if t.grad_fn is not None else get_gradient_edge(t).node for t in roots]
     reaches_input, weights_under, children = _classify(starts, input_nodes, input_leaves)
-    return starts, reaches_input, _frontier(reaches_input, weights_under, children, input_nodes)
+    return starts, reaches_input, children, _frontier(reaches_input, weights_under, children, input_nodes)
 
 
 def _classify(starts: list, input_nodes: set, input_leaves: set) -> tuple[dict, dict, dict]:
@@ -219,15 +219,73 @@ def _captured_by_prehooks(roots: Sequence[torch.Tensor], grads: Sequence[torch.T
     return captured
 
 
-def _unsplittable(frontier: list) -> str | None:
-    """Why the generic split cannot be exact here (None: it can)."""
-    seen: set = set()
-    for node, leaves in frontier:
-        if seen & leaves:
-            return (f"two of its graph's nodes (one is {type(node).__name__}) reach the same weight, which one W "
-                    "call per node would count twice")
-        seen |= leaves
-    return None
+def _weight_groups(frontier: list, children: dict, reaches_input: dict) -> tuple[list[list[int]], str | None]:
+    """The frontier nodes (indices into ``frontier``) grouped by the weights they share, one W engine call per
+    group, or why no such grouping is exact.
+
+    Nodes that reach a common weight (the experts of a grouped 3-D weight, each using its slice) run in one W
+    call: the engine sums their contributions in the weight's input buffer and accumulates it once, as a plain
+    backward does (one ``.grad`` accumulation, one post-accumulate hook call), where a call per node would
+    accumulate once per node. One call over a group is exact when no member reaches another: from each member's
+    captured gradient the engine flows only down that member's weight-only branches (the input path below it holds
+    no other member), so every weight gets each member's contribution once. When a member does reach another (a
+    weight reused deeper in the same stage), the call would count the lower member twice: the split is refused.
+    """
+    owner: dict[Any, int] = {}
+    parent = list(range(len(frontier)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, (_, leaves) in enumerate(frontier):
+        for leaf in leaves:
+            j = owner.setdefault(leaf, i)
+            if j != i:
+                parent[root(i)] = root(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(frontier)):
+        groups.setdefault(root(i), []).append(i)
+    out = list(groups.values())
+    shared = [g for g in out if len(g) > 1]
+    if not shared:
+        return out, None
+    for g in shared:
+        if any(_opaque(frontier[i][0]) for i in g):
+            node = next(frontier[i][0] for i in g if _opaque(frontier[i][0]))
+            return out, (f"{type(node).__name__}, a custom autograd.Function whose backward computes every gradient "
+                         "at once, shares a weight with another node of the graph")
+    below = _frontier_below(frontier, children, reaches_input)
+    for g in shared:
+        mask = 0
+        for i in g:
+            mask |= 1 << i
+        for i in g:
+            if below[frontier[i][0]] & mask:
+                return out, (f"two of its graph's nodes (one is {type(frontier[i][0]).__name__}) reach the same "
+                             "weight and one reaches the other, which one W call over both would count twice")
+    return out, None
+
+
+def _frontier_below(frontier: list, children: dict, reaches_input: dict) -> dict[Any, int]:
+    """Per node on the input path, the frontier nodes strictly below it (a bit mask over ``frontier``'s indices).
+
+    ``reaches_input`` lists nodes children first (``_classify`` fills it in post-order), so one pass suffices; a
+    frontier node reaches an input, so every node on a path to one does too and the walk skips the rest."""
+    bit = {node: 1 << i for i, (node, _) in enumerate(frontier)}
+    below: dict[Any, int] = {}
+    reached: dict[Any, int] = {}  # below, plus the node's own bit
+    for node, hit in reaches_input.items():
+        if not hit:
+            continue
+        m = 0
+        for c in children.get(node, ()):
+            m |= reached.get(c, 0)
+        below[node] = m
+        reached[node] = m | bit.get(node, 0)
+    return below
 
 
 def _opaque(node: Any) -> bool:
@@ -236,48 +294,51 @@ def _opaque(node: Any) -> bool:
     return isinstance(node, BackwardCFunction)
 
 
-def _gemm_weights_in_b(frontier: list) -> str | None:
-    """Why some matrix weights get their gradients in B (None: only vectors, e.g. norms', do)."""
+def _gemm_weights_in_b(frontier: list) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """Why some matrix weights get their gradients in B, and which (None: only vectors, e.g. norms', do)."""
     for node, leaves in frontier:
-        if _opaque(node) and any(leaf.variable.dim() >= 2 for leaf in leaves):
-            return (f"the weight gradients below {type(node).__name__} are computed in B and W only accumulates them: "
-                    "it is a custom autograd.Function (a torch.compile'd region holding a matrix product is one), "
-                    "whose backward computes every gradient at once. Give its matrix products their own autograd "
-                    "nodes (an nn.Linear outside the autograd.Function) or defer them "
-                    "(mt_dualpipe.runtime.defer_weight_grads) to run them in W")
+        matrices = tuple(leaf.variable for leaf in leaves if leaf.variable.dim() >= 2)
+        if _opaque(node) and matrices:
+            return (f"they are below {type(node).__name__}, a custom autograd.Function (a torch.compile'd region "
+                    "holding a matrix product is one) whose backward computes every gradient at once, so W only "
+                    "accumulates them. Give its matrix products their own autograd nodes (an nn.Linear outside the "
+                    "autograd.Function) or defer them (mt_dualpipe.runtime.defer_weight_grads) to run them in W",
+                    matrices)
     return None
 
 
 def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], why: list[str] | None = None, shared: Any = None
-                   ) -> tuple[list[torch.Tensor | None], _Split | None]:
+                   inputs: Sequence[torch.Tensor], why: list[tuple[str, tuple[torch.Tensor, ...]]] | None = None,
+                   shared: Any = None) -> tuple[list[torch.Tensor | None], _Split | None]:
     """B of the generic split: the inputs' gradients now, and what W needs later (None: nothing left).
 
-    ``why``: when the split falls back to a full backward, the reason is appended to it (the stage
-    says so once: a W left empty is never silent). ``shared``: a ``checkpoint_reuse.SharedRecompute``
-    when the stage's forward ran checkpointed regions, so that W reuses B's recompute.
+    ``why``: where weight gradients get computed in B, (the reason, those weights) is appended to it (the stage
+    names them in a warning: a weight left in B is never silent). ``shared``: a
+    ``checkpoint_reuse.SharedRecompute`` when the stage's forward ran checkpointed regions, so that W reuses B's
+    recompute.
     """
     req = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not roots:
         return [None] * len(inputs), None
     if not req:  # nothing to hand back: all the work is weight gradients, done at W
         return [None] * len(inputs), _Split([(tuple(roots), tuple(grads), ())])
-    starts, reaches_input, frontier = _analyse(roots, req)
-    reason = _unsplittable(frontier)
+    starts, reaches_input, children, frontier = _analyse(roots, req)
+    groups, reason = _weight_groups(frontier, children, reaches_input)
     if reason is not None:
         if why is not None:
-            why.append("the B/W split is empty for this stage, its B computes the weight gradients too (W has "
-                       f"nothing left): {reason}. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads to "
-                       "split them anyway")
+            why.append((f"the B/W split falls back to a full backward, since {reason}. Wrap its linears with "
+                        "mt_dualpipe.runtime.defer_weight_grads to split them anyway",
+                        tuple(leaf.variable for _, leaves in frontier for leaf in leaves)))
         return full_backward(roots, grads, inputs), None
     if why is not None and (late := _gemm_weights_in_b(frontier)):
         why.append(late)
-    rerun = [(node, leaves) for node, leaves in frontier if not _opaque(node)]
-    held = [leaf.variable for node, leaves in frontier if _opaque(node) for leaf in leaves]
-    capture = _captured_by_engine if all(hasattr(node, "_input_metadata") for node, _ in rerun) \
+    rerun = [g for g in groups if not _opaque(frontier[g[0]][0])]  # an opaque node is alone in its group
+    held = [leaf.variable for g in groups if _opaque(frontier[g[0]][0]) for leaf in frontier[g[0]][1]]
+    nodes = [frontier[i] for g in rerun for i in g]
+    capture = _captured_by_engine if all(hasattr(node, "_input_metadata") for node, _ in nodes) \
         else _captured_by_prehooks  # an autograd without per-node input metadata: capture with node pre-hooks
-    with shared.keeping([node for node, _ in rerun]) if shared is not None else nullcontext():
-        captured = capture(roots, grads, req + held, rerun)
+    with shared.keeping([node for node, _ in nodes]) if shared is not None else nullcontext():
+        captured = capture(roots, grads, req + held, nodes)
     got = captured.pop(None)
     calls = []
     if held:  # an opaque node's weight gradients, computed by B's run of it: W only accumulates them
@@ -285,14 +346,17 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         if pairs:
             calls.append((tuple(w for w, _ in pairs), tuple(g for _, g in pairs), ()))
         got = got[:len(req)]
-    for node, leaves in rerun:
-        gs = captured.get(node)
-        if gs is None:
-            continue
-        pairs = [(GradientEdge(node, k), g) for k, g in enumerate(gs) if g is not None]
-        if pairs:
-            weights = tuple(leaf.variable for leaf in leaves)
-            calls.append((tuple(e for e, _ in pairs), tuple(g for _, g in pairs), weights))
+    for group in rerun:  # one engine call per group of nodes sharing weights (``_weight_groups``)
+        edges, gs, weights = [], [], {}
+        for i in group:
+            node, leaves = frontier[i]
+            for k, g in enumerate(captured.get(node) or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    gs.append(g)
+            weights.update((leaf, None) for leaf in leaves)
+        if edges:
+            calls.append((tuple(edges), tuple(gs), tuple(leaf.variable for leaf in weights)))
     for root, start, g in zip(roots, starts, grads):
         if not reaches_input.get(start, False):
             calls.append(((root,), (g,), ()))

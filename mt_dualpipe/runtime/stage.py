@@ -150,7 +150,7 @@ class Stage:
             compiled.split_products(module)
         self.checkpointed = False  # its forward ran non-reentrant checkpoint regions (B and W share their recompute)
         self._warned: set = set()  # warnings the module's forward raised, shown once each
-        self._said_unsplit = False  # the warning that the generic split fell back, given once
+        self._said_in_b: set[tuple[str, ...]] = set()  # the parameter sets a warning named as computed in B
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
         self.reset()
 
@@ -274,19 +274,33 @@ class Stage:
                         input_grads = full_backward(roots, gs, inputs)
                     self.pending_w[mb] = _STORE_ONLY
                 else:  # store active too: deferring layers queue their GEMMs if the split falls back
-                    why: list[str] = []
+                    why: list[tuple[str, tuple[torch.Tensor, ...]]] = []
                     shared = checkpoint_reuse.SharedRecompute() if self.checkpointed else None
                     with self._deferring(mb):
                         input_grads, w = split_backward(roots, gs, inputs, why, shared)
                     self.pending_w[mb] = _STORE_ONLY if w is None else ("store", w)
-                    if why and not self._said_unsplit and not self.store.queued((self.chain, self.stage, mb)):
-                        self._said_unsplit = True
-                        warnings.warn(f"{self.name}: {why[0]}.", stacklevel=2)
+                    if why:
+                        self._say_weights_in_b(*why[0])
         except PipelineError:
             raise
         except Exception as exc:
             raise self._error("B" if split else "BW", mb, exc) from exc
         self.after_backward(mb, input_grads, split)
+
+    def _say_weights_in_b(self, reason: str, weights: Sequence[torch.Tensor]) -> None:
+        """Warn, once per set of parameters, which of them get their gradients in B and why.
+
+        Parameters of deferring layers are left out (their GEMMs are queued for W even when the generic split
+        falls back), so queued W work neither hides the warning nor makes it name weights that did move."""
+        deferred = {id(p) for p in self.deferred_now()}
+        wanted = {id(w) for w in weights} - deferred
+        names = tuple(n for n, p in self.module.named_parameters() if id(p) in wanted)
+        if not names or names in self._said_in_b:
+            return
+        self._said_in_b.add(names)
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        warnings.warn(f"{self.name}: the weight gradients of {shown} are computed in B, not W: {reason}.",
+                      stacklevel=3)
 
     @contextlib.contextmanager
     def _deferring(self, mb: int) -> Any:

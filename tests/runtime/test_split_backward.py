@@ -156,10 +156,10 @@ def test_an_opaque_node_computes_its_weight_gradients_in_b_says_so_once_and_stay
             ref(x.detach().clone().requires_grad_()).backward(g)
     said = [str(w.message) for w in seen if "OpaqueStage" in str(w.message)]
     assert said == [
-        "stage (chain 0, stage 1) OpaqueStage: the weight gradients below _OpaqueLinearBackward are computed in B "
-        "and W only accumulates them: it is a custom autograd.Function (a torch.compile'd region holding a matrix "
-        "product is one), whose backward computes every gradient at once. Give its matrix products their own "
-        "autograd nodes (an nn.Linear outside the autograd.Function) or defer them "
+        "stage (chain 0, stage 1) OpaqueStage: the weight gradients of w are computed in B, not W: they are below "
+        "_OpaqueLinearBackward, a custom autograd.Function (a torch.compile'd region holding a matrix product is "
+        "one) whose backward computes every gradient at once, so W only accumulates them. Give its matrix products "
+        "their own autograd nodes (an nn.Linear outside the autograd.Function) or defer them "
         "(mt_dualpipe.runtime.defer_weight_grads) to run them in W."]
     assert torch.allclose(stage.module.w.grad, ref.w.grad, rtol=0, atol=1e-13)
 
@@ -197,8 +197,8 @@ def test_a_weight_two_nodes_reach_falls_back_to_a_full_b_and_says_so_once():
             ref(x.detach().clone().requires_grad_()).backward(g)
     said = [str(w.message) for w in seen if "TwiceUsed" in str(w.message)]
     assert said == [
-        "stage (chain 0, stage 1) TwiceUsed: the B/W split is empty for this stage, its B computes the weight "
-        "gradients too (W has nothing left): two of its graph's nodes (one is AddmmBackward0) reach the same weight, "
-        "which one W call per node would count twice. Wrap its linears with mt_dualpipe.runtime.defer_weight_grads "
-        "to split them anyway."]
+        "stage (chain 0, stage 1) TwiceUsed: the weight gradients of lin.weight, lin.bias are computed in B, not W: "
+        "the B/W split falls back to a full backward, since two of its graph's nodes (one is AddmmBackward0) reach "
+        "the same weight and one reaches the other, which one W call over both would count twice. Wrap its linears "
+        "with mt_dualpipe.runtime.defer_weight_grads to split them anyway."]
     assert torch.allclose(stage.module.lin.weight.grad, ref.lin.weight.grad, rtol=0, atol=1e-13)
