@@ -8,6 +8,8 @@
 ``mla``             ``MLAttention`` (DeepSeek's multi-head latent attention)
 ``attention_core``  ``core_attention``: causal softmax attention, eager / recomputed / flash footprint
 ``flash_core``      ``flash_core``: the flash-style core (q, k, v, output and log-sum-exp kept)
+``documents``       packed documents told apart by position ids: ``document_ids``, ``check_position_ids``,
+                    ``check_document_labels``, ``hand_on`` (the stage contract), ``criterion_inputs``
 ``mlp``             ``SwiGLUMLP`` (dense FFN and one expert)
 ``router``          ``Routing``, ``Router``, ``SoftmaxTopKRouter``, ``SigmoidGroupLimitedRouter``,
                     ``group_limited_topk``
@@ -26,6 +28,7 @@ by ``models.recompute.apply_recompute``) and what it keeps per token (``saved_pe
 from .attention import GQAttention
 from .attention_core import core_attention
 from .common import SavesPerToken, compute_dtype, deferred_init, init_normal, saved_elements_per_token
+from .documents import check_document_labels, check_position_ids, criterion_inputs, document_ids, hand_on
 from .expert_parallel import DispatchPlan, all_to_all, local_expert_ids, plan_dispatch
 from .head import count_targets, embedding, lm_head, lm_loss, logits, step_normalizer
 from .mla import MLAttention
@@ -38,7 +41,8 @@ from .router import Router, Routing, SigmoidGroupLimitedRouter, SoftmaxTopKRoute
 __all__ = [
     "DispatchPlan", "Dispatcher", "Experts", "GQAttention", "MLAttention", "MoEBlock", "RMSNorm", "RopeSpec",
     "Router", "Routing", "SavesPerToken", "SigmoidGroupLimitedRouter", "SoftmaxTopKRouter", "SwiGLUMLP",
-    "all_to_all", "apply_rope", "compute_dtype", "core_attention", "cos_sin", "count_targets", "deferred_init",
-    "embedding", "init_normal", "inv_freq", "lm_head", "lm_loss", "local_expert_ids", "logits", "plan_dispatch",
-    "rms_norm", "saved_elements_per_token", "step_normalizer",
+    "all_to_all", "apply_rope", "check_document_labels", "check_position_ids", "compute_dtype", "core_attention",
+    "cos_sin", "count_targets", "criterion_inputs", "deferred_init", "document_ids", "embedding", "hand_on",
+    "init_normal", "inv_freq", "lm_head", "lm_loss", "local_expert_ids", "logits", "plan_dispatch", "rms_norm",
+    "saved_elements_per_token", "step_normalizer",
 ]

@@ -6,6 +6,7 @@ Parameter names are transformers' (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`
 RoPE and the softmax run in ``compute_dtype``. ``core``: ``"eager"`` (autograd keeps the S×S
 probabilities), ``"recomputed"`` (the ``"attention"`` saver: q, k, v kept, the core re-run in B) or
 ``"flash"`` (``attention_core``); ``norm_recompute``: the q/k RMSNorms keep only their inputs (``"norm"``).
+``forward(x, position_ids=None)``: with position ids, packed documents (``layers.documents``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from .attention_core import CORES, core_attention
 from .common import compute_dtype
+from .documents import check_position_ids, document_ids
 from .norm import RMSNorm
 from .rope import RopeSpec, apply_rope, cos_sin
 
@@ -39,27 +41,30 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, norm_recompute) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, norm_recompute) if qk_norm else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden). ``position_ids`` (batch, seq): packed documents
+        (``layers.documents``), RoPE by position id and attention inside each document; None: 0..seq-1."""
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.heads, self.head_dim)
         k = self.k_proj(x).view(bsz, seq, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(bsz, seq, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin(seq, self.head_dim, self.rope, compute_dtype(x), x.device)
+        documents = None
+        if position_ids is not None:
+            check_position_ids(position_ids, (bsz, seq), "GQAttention")
+            documents = document_ids(position_ids)
+        cos, sin = cos_sin(seq, self.head_dim, self.rope, compute_dtype(x), x.device, position_ids)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(self.core(q, k, v))
+        return self.o_proj(self.core(q, k, v, documents))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Core attention: K/V repeated per group, QKᵀ·d^-½, causal softmax (``compute_dtype``), ·V."""
-        seq, group = q.size(1), self.heads // self.kv_heads
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Core attention: K/V repeated per group, QKᵀ·d^-½, causal softmax (``compute_dtype``), ·V, in the
+        footprint ``core`` chose (``attention_core``); ``documents``: the packed rows' block-diagonal mask."""
+        group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        if self.core_kind != "eager":  # the "attention" saver's footprint (or flash's): ``attention_core``
-            return core_attention(q, k, v, self.head_dim ** -0.5, self.core_kind)
-        scores = torch.einsum("bshd,bthd->bhst", q, k) * self.head_dim ** -0.5
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1, dtype=compute_dtype(q)).type_as(q)
-        return torch.einsum("bhst,bthd->bshd", probs, v).flatten(2)
+        return core_attention(q, k, v, self.head_dim ** -0.5, self.core_kind, documents)
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         """``"selective"``: the core attention (its S×S probabilities dominate), as Megatron does."""

@@ -115,8 +115,8 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: in
     n_experts = scores.size(-1)
     seq = scores.size(0) // batch
     probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, n_experts).mean(1)
-    hits = torch.zeros(batch, n_experts, device=scores.device).scatter_add_(
-        1, indices.view(batch, -1), torch.ones(batch, seq * topk, device=scores.device))
+    hits = torch.zeros(batch, n_experts, dtype=scores.dtype, device=scores.device).scatter_add_(
+        1, indices.view(batch, -1), torch.ones(batch, seq * topk, dtype=scores.dtype, device=scores.device))
     f = hits * (n_experts / (topk * seq))
     return (f * probs).sum(-1).mean()
 

@@ -15,7 +15,8 @@ E4M3 copy of the input for both down-projections: any linear with ``quantize_inp
 
 Module names are DeepSeek's reference ones (``wq_a``, ``q_norm``, ``wq_b``, ``wkv_a``, ``kv_norm``,
 ``wkv_b``, ``wo``); the DeepSeek-V3 family maps them to transformers' (``models/deepseek_v3/hf_names.py``).
-RoPE (``RopeSpec``: plain or YaRN) and the softmax run in ``compute_dtype``.
+RoPE (``RopeSpec``: plain or YaRN) and the softmax run in ``compute_dtype``. ``forward(x, position_ids=None)``:
+with position ids, packed documents (``layers.documents``); ``attend`` and ``expand`` take them too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from .attention_core import CORES, core_attention
 from .common import compute_dtype
+from .documents import check_position_ids, document_ids
 from .norm import RMSNorm
 from .rope import RopeSpec, apply_rope, cos_sin
 
@@ -52,8 +54,10 @@ class MLAttention(nn.Module):
         self.wkv_b = nn.Linear(kv_lora_rank, heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(heads * v_head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.attend(*self.latents(x)))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x (batch, seq, hidden) -> (batch, seq, hidden); ``position_ids`` (batch, seq): packed documents
+        (``layers.documents``: RoPE by position id, attention inside each document), None: 0..seq-1."""
+        return self.wo(self.attend(*self.latents(x), position_ids))
 
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (normed) -> the down projections' outputs: the query latent (``wq_a``'s output; x itself
@@ -66,23 +70,29 @@ class MLAttention(nn.Module):
             return self.wq_a(x, xq), self.wkv_a(x, xq)
         return (self.wq_a(x) if lora else x), self.wkv_a(x)
 
-    def attend(self, q_latent: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(self, q_latent: torch.Tensor, kv: torch.Tensor, position_ids: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The latents -> the attention output before ``wo``: ``expand`` and the core (the region
         ``"selective"`` recomputes)."""
-        return self.core(*self.expand(q_latent, kv))
+        documents = None if position_ids is None else document_ids(position_ids)
+        return self.core(*self.expand(q_latent, kv, position_ids), documents)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x -> per-head q, k (RoPE applied) and v: ``expand`` of ``latents``."""
-        return self.expand(*self.latents(x))
+        return self.expand(*self.latents(x), position_ids)
 
-    def expand(self, q_latent: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expand(self, q_latent: torch.Tensor, kv: torch.Tensor, position_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The up-projections: q and kv latents -> per-head q, k (RoPE applied) and v, with the latents'
-        RMSNorms and RoPE of the rotary parts."""
+        RMSNorms and RoPE of the rotary parts (by ``position_ids`` when given)."""
         bsz, seq, _ = kv.shape
+        if position_ids is not None:
+            check_position_ids(position_ids, (bsz, seq), "MLAttention")
         q = self.wq_b(self.q_norm(q_latent)) if hasattr(self, "wq_a") else self.wq(q_latent)
         q_nope, q_pe = q.view(bsz, seq, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
         latent, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        cos, sin = cos_sin(seq, self.rope, self.rope_spec, compute_dtype(kv), kv.device)
+        cos, sin = cos_sin(seq, self.rope, self.rope_spec, compute_dtype(kv), kv.device, position_ids)
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, self.interleave)  # one rotary key for all heads
         k_nope, v = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)
@@ -90,6 +100,8 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_heads, -1)], dim=-1)
         return q, k, v
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection."""
-        return core_attention(q, k, v, self.softmax_scale, self.core_kind)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection;
+        ``documents``: the packed rows' block-diagonal mask."""
+        return core_attention(q, k, v, self.softmax_scale, self.core_kind, documents)

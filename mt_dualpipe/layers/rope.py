@@ -4,8 +4,9 @@
 against what a family runs (the Llama and DeepSeek-V3 config readers);
 ``RopeSpec`` is the config piece (theta, scaling kind and its fields); ``inv_freq`` the per-pair
 frequencies; ``cos_sin`` the (seq, dim/2) tables in ``compute_dtype`` (YaRN's ``attention_factor``
-folded in); ``apply_rope`` rotates the two halves of each head (transformers' ``rotate_half``
-layout) or, with ``interleave``, adjacent pairs (the released DeepSeek-V3 layout).
+folded in), or per row (batch, seq, dim/2) for given position ids (packed documents restart at 0);
+``apply_rope`` rotates the two halves of each head (transformers' ``rotate_half`` layout) or, with
+``interleave``, adjacent pairs (the released DeepSeek-V3 layout).
 """
 
 from __future__ import annotations
@@ -141,9 +142,14 @@ def inv_freq(dim: int, spec: RopeSpec, dtype: torch.dtype = torch.float64) -> to
 
 def cos_sin(seq: int, dim: int, spec: RopeSpec, dtype: torch.dtype, device: torch.device | str = "cpu",
             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles for positions ``0..seq-1`` (or ``positions``), shape (seq, dim / 2)."""
+    """cos and sin of the angles for positions ``0..seq-1``, shape (seq, dim / 2); or for ``positions``:
+    (seq,) ids give (seq, dim / 2), (batch, seq) ids (packed documents, ``layers.documents``) give
+    (batch, seq, dim / 2), each token rotated by its own id (the same product as the plain tables)."""
     pos = torch.arange(seq, device=device) if positions is None else positions
-    angles = torch.outer(pos.to(dtype), inv_freq(dim, spec, dtype).to(device))
+    if pos.dim() == 2:
+        angles = pos.to(dtype).unsqueeze(-1) * inv_freq(dim, spec, dtype).to(device)
+    else:
+        angles = torch.outer(pos.to(dtype), inv_freq(dim, spec, dtype).to(device))
     factor = spec.attention_factor()
     if factor == 1.0:
         return angles.cos(), angles.sin()
@@ -151,13 +157,17 @@ def cos_sin(seq: int, dim: int, spec: RopeSpec, dtype: torch.dtype, device: torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """Rotate x (batch, seq, heads, dim) in cos/sin's dtype and cast back."""
+    """Rotate x (batch, seq, heads, dim) in cos/sin's dtype and cast back; cos/sin (seq, dim / 2) or, per row,
+    (batch, seq, dim / 2)."""
     y = x.to(cos.dtype)
     if interleave:
         x0, x1 = y.unflatten(-1, (-1, 2)).unbind(-1)
     else:
         x0, x1 = y.chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 3:  # per row (packed documents): (batch, seq, 1, dim / 2)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     r0, r1 = x0 * cos - x1 * sin, x0 * sin + x1 * cos
     out = torch.stack((r0, r1), dim=-1).flatten(-2) if interleave else torch.cat((r0, r1), dim=-1)
     return out.type_as(x)

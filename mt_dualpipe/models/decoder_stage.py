@@ -10,11 +10,20 @@ model's and per-stage loading reads exactly the stage's tensors.
 The family supplies only what differs: how its body is built (``__init__``), where the decoder lives
 (``decoder``: ``self.model`` or LLaVA's ``self.model.language_model``) and, for LLaVA, what the first
 stage takes. Everything a schedule needs is here: the layer split (``stage_layer_ids``), the contract
-``stage(x)`` -> hidden states and ``criterion(hidden, labels, normalizer=None)`` -> loss, weight copying
+``stage(x)`` -> hidden states and ``criterion(hidden, labels, normalizer=None)`` -> loss (for packed
+documents ``stage(x, position_ids)`` -> ``(hidden, position_ids)`` and ``criterion(hidden, position_ids,
+labels)``: below), weight copying
 (``load_from``), the stage list for a rank (``local_stage_indices``, ``build_stage_list``), what
 ``compile=`` compiles (``compile_targets``, applied with the recompute policy by ``stage_finisher``) and the
 bound criterion (``criterion_for``). DeepSeek-V3's stages (``models/deepseek_v3/stages.py``) keep their
 own class: their MTP module and overlapped forward/backward do not fit this contract.
+
+Packed documents (``layers/documents.py``): the first stage takes ``(ids, position_ids)`` and every
+stage passes the position ids on with its hidden states, ``(hidden, position_ids)``, the last stage
+included, so its criterion is called ``criterion(hidden, position_ids, labels)`` (the runtime's
+``criterion(*outputs, *labels)``). The ids travel as an int32 copy (``hand_on``): a criterion called
+with them but without labels says so instead of reading them as labels (labels are int64). Each
+layer derives the documents (a new one wherever the ids restart) and the RoPE angles from them.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import torch
 from torch import nn
 
 from ..layers import MoEBlock, lm_loss, logits
+from ..layers.documents import check_document_labels, check_position_ids, criterion_inputs, hand_on
 from ..runtime.deferred import defer_weight_grads as _defer_weight_grads
 from .compile import check_backend, compile_stage
 from .hf_checkpoint import open_checkpoint
@@ -91,21 +101,33 @@ class DecoderStage(nn.Module):
             raise ValueError(f"the first stage takes token ids (int64), got a {x.dtype} tensor")
         return self.decoder.embed_tokens(x)
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.decoder.layers.values():
-            h = layer(h)
+            h = layer(h, position_ids)
         return h
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run_layers(self.embed(x) if self.is_first else x)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (first stage) or hidden states -> hidden states; with ``position_ids`` (packed
+        documents, ``layers.documents``) -> (hidden states, position ids), which the next stage takes."""
+        h = self.embed(x) if self.is_first else x
+        if position_ids is None:
+            return self.run_layers(h)
+        check_position_ids(position_ids, x.shape[:2], self.extra_repr())
+        return self.run_layers(h, position_ids), hand_on(position_ids)
 
-    def criterion(self, h: torch.Tensor, labels: torch.Tensor,
+    def criterion(self, h: torch.Tensor, *rest: torch.Tensor,
                   normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
-        """The micro-batch's next-token loss (``-100`` targets masked): its mean, or with ``normalizer``
-        (``layers.step_normalizer``: the step's valid-target count) its sum divided by it, so micro-batches
-        holding different numbers of masked targets add up to the step's token mean."""
+        """``criterion(h, labels)``, or for packed rows ``criterion(h, position_ids, labels)`` (what the last
+        stage returned, then the labels): the micro-batch's next-token loss (``-100`` targets masked), its
+        mean, or with ``normalizer`` (``layers.step_normalizer``: the step's valid-target count) its sum
+        divided by it, so micro-batches holding different numbers of masked targets add up to the step's
+        token mean. Packed rows' labels must not cross a document (``layers.check_document_labels``)."""
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
+        position_ids, labels = criterion_inputs(rest, self.extra_repr())
+        if position_ids is not None:
+            check_document_labels(labels, position_ids)
         out = self.head_logits(h)
         keep = bool(getattr(self.config, "saves", lambda name: False)("loss"))  # the "loss" saver (layers.savers)
         if normalizer is None:

@@ -11,7 +11,7 @@ for the duration of a test by giving the named transformers modules a ``torch`` 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -78,3 +78,27 @@ def recorded_reads() -> Iterator[list[str]]:
         yield read
     finally:
         hf_checkpoint.Checkpoint.read = real
+
+
+def unfused_grads(model: torch.nn.Module, rename: Callable[[str], str | None] = lambda name: name
+                  ) -> dict[str, torch.Tensor]:
+    """``model``'s parameter gradients (None: zeros) by ``rename(checkpoint name)``. transformers 5 keeps a MoE
+    layer's experts fused, ``experts.gate_up_proj`` (experts, 2 * inter, hidden: gate rows, then up rows) and
+    ``experts.down_proj`` (experts, hidden, inter), where checkpoints and our models hold one
+    ``experts.{e}.gate_proj / up_proj / down_proj.weight`` per expert: they are split that way here."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        prefix, _, last = name.rpartition(".")
+        if prefix.endswith(".experts") and last == "gate_up_proj":
+            parts = {f"{prefix}.{e}.{kind}.weight": half for e, g in enumerate(grad)
+                     for kind, half in zip(("gate_proj", "up_proj"), g.chunk(2, dim=0))}
+        elif prefix.endswith(".experts") and last == "down_proj":
+            parts = {f"{prefix}.{e}.down_proj.weight": g for e, g in enumerate(grad)}
+        else:
+            parts = {name: grad}
+        for key, g in parts.items():
+            ours = rename(key)
+            if ours is not None:
+                out[ours] = g
+    return out

@@ -125,6 +125,14 @@ def test_sequence_balance_loss_formula():
     p = (scores / scores.sum(-1, keepdim=True)).mean(0)
     expected = 2 * p[0] + 2 * p[1]
     torch.testing.assert_close(sequence_balance_loss(scores, indices, batch=1, topk=1), expected)
+    # f is counted in the scores' dtype, not the default one: a float64 model's loss is float64 to the last bit
+    # (here f = N/(K·T)·hits with N/(K·T) = 4/3, which float32 would round)
+    scores64 = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    hits = torch.tensor([[0], [0], [2]])
+    p64 = (scores64 / scores64.sum(-1, keepdim=True)).mean(0)
+    exact = (4 / 3) * (2 * p64[0] + p64[2])
+    got = sequence_balance_loss(scores64, hits, batch=1, topk=1)
+    assert got.dtype == torch.float64 and abs(float(got) - float(exact)) < 4e-16
 
 
 def test_balance_loss_gradient_reaches_the_gate():

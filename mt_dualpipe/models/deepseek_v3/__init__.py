@@ -35,6 +35,7 @@ from .model import (
     MTPModule,
     expert_load_names,
     language_model_losses,
+    mtp_targets,
     step_normalizers,
 )
 from .moe import MoE, dropped_fraction, mark_expert_weights, max_violation, set_aux_loss_scale, update_expert_bias
@@ -55,7 +56,7 @@ __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
     "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
     "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
-    "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
+    "mtp_targets", "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
     "stages_for_rank",
     "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
     "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...layers.common import deferred_init
+from ...layers.documents import check_document_labels, check_position_ids, document_ids
 from ...layers.head import lm_loss, step_normalizer
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
@@ -41,8 +42,9 @@ class Block(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoE)
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x))  # "selective" recomputes MLA.attend (mla.py) in backward
+    def attention(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # "selective" recomputes MLA.attend (mla.py) in backward; position_ids: packed documents
+        return x + self.attn(self.attn_norm(x), position_ids)
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         """``(module, method, tag)`` recomputed under ``policy`` (``models.recompute``): "selective"
@@ -59,8 +61,8 @@ class Block(nn.Module):
             if self.ffn.shared_experts is not None:
                 yield self.ffn.shared_experts, "forward", "shared_expert"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention(x, position_ids)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -84,8 +86,8 @@ class MTPModule(nn.Module):
         self.block = Block(config.n_layers + depth - 1, config, ep_group)
         self.norm = RMSNorm(config.dim, config.norm_eps, norm)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)))
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), position_ids)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
@@ -95,12 +97,33 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool 
     return lm_loss(logits, target, normalizer=normalizer, keep_logits=keep_logits)
 
 
-def step_normalizers(labels: torch.Tensor, mtp_depth: int, group: dist.ProcessGroup | None = None,
-                     replicas: int = 1) -> tuple[float, ...]:
+def mtp_targets(labels: torch.Tensor, k: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """What MTP depth k predicts at positions 0..T-k-1: ``labels[:, k:]`` (token i + k + 1), and for packed rows
+    (``position_ids``, ``layers.documents``) -100 wherever that token lies in another document than position
+    i: a document's last k positions predict nothing at depth k, as when the document runs alone."""
+    target = labels[:, k:]
+    if position_ids is None or k == 0:
+        return target
+    docs = document_ids(position_ids)
+    return target.masked_fill(docs[:, :target.size(1)] != docs[:, k:], -100)
+
+
+def step_normalizers(labels: torch.Tensor | Sequence[torch.Tensor], mtp_depth: int,
+                     group: dist.ProcessGroup | None = None, replicas: int = 1,
+                     position_ids: torch.Tensor | Sequence[torch.Tensor] | None = None) -> tuple[float, ...]:
     """The valid-target counts that make a step's micro-batch losses sum to its token means: the main
-    loss's (every label) and each MTP depth k's (``labels[:, k:]``, the targets depth k predicts), over
-    the step's ``labels`` (and ``group``'s; ``replicas`` as in ``layers.step_normalizer``)."""
-    return tuple(step_normalizer(labels[:, k:], group=group, replicas=replicas) for k in range(mtp_depth + 1))
+    loss's (every label) and each MTP depth k's (``mtp_targets``: ``labels[:, k:]``, for packed rows
+    ``position_ids`` without the targets in another document), over the step's ``labels`` (a tensor, or one
+    per micro-batch with ``position_ids`` likewise) and ``group``'s; ``replicas`` as in
+    ``layers.step_normalizer``."""
+    many = not isinstance(labels, torch.Tensor)
+    rows = list(labels) if many else [labels]
+    pos = [None] * len(rows) if position_ids is None else (list(position_ids) if many else [position_ids])
+    if len(pos) != len(rows):
+        raise ValueError(f"step_normalizers got {len(rows)} label tensors but {len(pos)} position_ids tensors; give "
+                         "one per micro-batch")
+    return tuple(step_normalizer(torch.cat([mtp_targets(y, k, p).flatten() for y, p in zip(rows, pos)]), group=group,
+                                 replicas=replicas) for k in range(mtp_depth + 1))
 
 
 class LossParts(NamedTuple):
@@ -111,7 +134,8 @@ class LossParts(NamedTuple):
 
 def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Embedding, norm: nn.Module,
                           head: nn.Linear, mtp: nn.ModuleList, config: DeepSeekV3Config,
-                          normalizer: Sequence[float] | None = None) -> LossParts:
+                          normalizer: Sequence[float] | None = None,
+                          position_ids: torch.Tensor | None = None) -> LossParts:
     """Next-token loss on h plus the MTP losses; ``labels[:, i]`` is token i+1.
 
     ``normalizer`` None: each loss is the mean over this call's targets. Otherwise one count per loss
@@ -121,6 +145,13 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     Depth k sees positions 0..T-k-1: it combines h^{k-1}_i with Emb(t_{i+k}) = Emb(labels[:, i+k-1])
     and predicts t_{i+k+1} = labels[:, i+k]. h^0 is the main model's normed output ``norm(h)`` and
     h^k the normed output of depth k (see ``MTPModule``).
+
+    Packed rows (``position_ids``, ``layers.documents``): the labels must not cross a document (a
+    document's last label -100, ``layers.check_document_labels``); each MTP block attends inside each
+    document, and depth k's targets that lie in the next document are masked (``mtp_targets``), so
+    every document gets the losses it would get alone. The positions a document's own targets never
+    reach (its last k at depth k) embed whatever follows; they are masked and only later positions of
+    the same document, masked too, attend to them.
     """
     seq = labels.size(1)
     if len(mtp) >= seq:
@@ -134,15 +165,19 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     # is unknown here and is embedded as token 0 (its own loss is masked; only the prediction right
     # after it sees the stand-in)
     tokens = labels.clamp(min=0) if mtp else labels
+    if position_ids is not None:
+        check_document_labels(labels, position_ids)
     prev = norm(h)
     logits = head(prev)
     main = cross_entropy(logits.flatten(0, 1), labels.flatten(), keep, counts[0])
     mtp_losses = []
     for k, module in enumerate(mtp, start=1):
         n = seq - k
-        prev = module.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n])))
+        pos = None if position_ids is None else position_ids[:, :n]
+        prev = module.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n]), pos))
         logits_k = head(prev)
-        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), labels[:, k:k + n].flatten(), keep, counts[k]))
+        target = mtp_targets(labels, k, position_ids)
+        mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), target.flatten(), keep, counts[k]))
     total = main
     if mtp_losses:
         total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()
@@ -174,31 +209,39 @@ class DeepSeekV3Model(nn.Module):
             self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
         init_weights(self, config.init_std)
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None:
+            check_position_ids(position_ids, tokens.shape, "DeepSeekV3Model")
         h = self.embed(tokens)
         for block in self.layers.values():
-            h = block(h)
+            h = block(h, position_ids)
         return h
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) without labels; the training loss (main + MTP) with them."""
-        h = self.hidden(tokens)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) without labels; the training loss (main + MTP) with them.
+        ``position_ids`` (batch, seq): packed documents, each beginning where the ids restart
+        (``language_model_losses``)."""
+        h = self.hidden(tokens, position_ids)
         if labels is None:
             return self.head(self.norm(h))
-        return self.losses(h, labels).total
+        return self.losses(h, labels, position_ids=position_ids).total
 
-    def losses(self, h: torch.Tensor, labels: torch.Tensor) -> LossParts:
+    def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None,
+               position_ids: torch.Tensor | None = None) -> LossParts:
         return language_model_losses(h, labels, embed=self.embed, norm=self.norm, head=self.head, mtp=self.mtp,
-                                     config=self.config)
+                                     config=self.config, normalizer=normalizer, position_ids=position_ids)
 
-    def mtp_logits(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> list[torch.Tensor]:
+    def mtp_logits(self, tokens: torch.Tensor, next_tokens: torch.Tensor,
+                   position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits of each MTP depth k for positions 0..T-k-1, given ``next_tokens[:, i] = t_{i+1}``
         (inference-style; the training losses use the same chain)."""
-        prev = self.norm(self.hidden(tokens))
+        prev = self.norm(self.hidden(tokens, position_ids))
         out = []
         for k, module in enumerate(self.mtp, start=1):
             n = tokens.size(1) - k
-            prev = module.norm(module(prev[:, :n], self.embed(next_tokens[:, k - 1:k - 1 + n])))
+            pos = None if position_ids is None else position_ids[:, :n]
+            prev = module.norm(module(prev[:, :n], self.embed(next_tokens[:, k - 1:k - 1 + n]), pos))
             out.append(self.head(prev))
         return out
 

@@ -17,9 +17,12 @@ loops that run stage modules without a ``Pipeline``.
 
 The runtime contract: ``stage(*inputs)`` takes the previous stage's outputs (token ids on the
 first stage) and returns the hidden states; the last stage's ``criterion(hidden, labels)`` returns
-the training loss (main + λ·MTP; the MoE balance loss enters through its gradient). DualPipe's F&B units
-overlap the MoE all-to-alls through the shared dispatcher's overlap points (``runtime/overlap.py``): no
-stage code of its own.
+the training loss (main + λ·MTP; the MoE balance loss enters through its gradient). Packed documents
+(``layers/documents.py``): the first stage takes ``(ids, position_ids)``, every stage returns
+``(hidden, position_ids)`` (an int32 copy, ``hand_on``) and the criterion is called ``criterion(hidden,
+position_ids, labels)``: MTP needs them to stay inside each document (``model.language_model_losses``).
+DualPipe's F&B units overlap the MoE all-to-alls through the shared dispatcher's overlap points
+(``runtime/overlap.py``): no stage code of its own.
 
 Stages are built with ``DeferredLinear`` layers by default (``defer_weight_grads=True``): under a
 zero-bubble schedule B then computes only input gradients (plus the cheap norm, gate and embedding
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...fp8 import convert_to_fp8
+from ...layers.documents import check_position_ids, criterion_inputs, hand_on
 from ...layers.expert_parallel import mesh_ep_group
 from ...layers.replicas import parameter_grads, sum_copies
 from ...parallel.device import collective_device
@@ -131,31 +135,38 @@ class DeepSeekV3Stage(nn.Module):
         return self
 
     # ----- forward ---------------------------------------------------------------------------------
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if len(inputs) != 1:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if len(inputs) not in (1, 2):
             raise ValueError(f"{self.extra_repr()}: expected 1 input (token ids on the first stage, hidden states "
-                             f"after), got {len(inputs)}")
-        x = inputs[0]
+                             f"after) or 2 (those and the position ids of packed rows), got {len(inputs)}")
+        x, position_ids = inputs[0], (inputs[1] if len(inputs) == 2 else None)
+        if position_ids is not None:
+            check_position_ids(position_ids, x.shape[:2], self.extra_repr())
         if self.is_first:
             if x.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"the first stage takes token ids (int64), got a {x.dtype} tensor")
             x = self.embed(x)
         for block in self.layers.values():
-            x = block(x)
-        return x
+            x = block(x, position_ids)
+        return x if position_ids is None else (x, hand_on(position_ids))
 
     # ----- loss (last stage) -----------------------------------------------------------------------
-    def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None) -> LossParts:
+    def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None,
+               position_ids: torch.Tensor | None = None) -> LossParts:
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
         return language_model_losses(h, labels, embed=getattr(self, "embed", None), norm=self.norm, head=self.head,
-                                     mtp=self.mtp, config=self.config, normalizer=normalizer)
+                                     mtp=self.mtp, config=self.config, normalizer=normalizer,
+                                     position_ids=position_ids)
 
-    def criterion(self, h: torch.Tensor, labels: torch.Tensor,
+    def criterion(self, h: torch.Tensor, *rest: torch.Tensor,
                   normalizer: Sequence[float] | None = None) -> torch.Tensor:
-        """The runtime's ``criterion(*outputs, *labels)``: main + λ·MTP loss; logs the parts. ``normalizer``
-        (``model.step_normalizers``): each loss summed over the step's count of its valid targets."""
-        parts = self.losses(h, labels, normalizer)
+        """The runtime's ``criterion(*outputs, *labels)``: ``(h, labels)``, or for packed rows ``(h, position_ids,
+        labels)`` (the last stage returns its position ids too); main + λ·MTP loss; logs the parts.
+        ``normalizer`` (``model.step_normalizers``, with the step's ``position_ids`` for packed rows): each loss
+        summed over the step's count of its valid targets."""
+        position_ids, labels = criterion_inputs(rest, self.extra_repr())
+        parts = self.losses(h, labels, normalizer, position_ids)
         self.loss_log.append((float(parts.main.detach()), [float(m.detach()) for m in parts.mtp]))
         return parts.total
 

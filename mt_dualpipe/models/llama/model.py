@@ -21,6 +21,8 @@ from ...layers import (
     GQAttention,
     RMSNorm,
     SwiGLUMLP,
+    check_document_labels,
+    check_position_ids,
     deferred_init,
     embedding,
     init_normal,
@@ -52,8 +54,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, norm)
         self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, recompute_product=c.saves("swiglu"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -95,17 +97,26 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None:
+            check_position_ids(position_ids, tokens.shape, "LlamaForCausalLM")
         h = self.model.embed_tokens(tokens)
         for layer in self.model.layers.values():
-            h = layer(h)
+            h = layer(h, position_ids)
         return h
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) without labels; with them the mean over this call's valid targets
-        (a pipeline's criterion can instead normalise by the whole step's count: ``stages.criterion_for``)."""
-        out = logits(self.model.norm(self.hidden(tokens)), self.head_weight())
-        return out if labels is None else lm_loss(out, labels, keep_logits=self.config.saves("loss"))
+        (a pipeline's criterion can instead normalise by the whole step's count: ``stages.criterion_for``).
+        ``position_ids`` (batch, seq): packed documents, each beginning where the ids restart (``layers.documents``; the
+        label of a document's last token must then be -100)."""
+        out = logits(self.model.norm(self.hidden(tokens, position_ids)), self.head_weight())
+        if labels is None:
+            return out
+        if position_ids is not None:
+            check_document_labels(labels, position_ids)
+        return lm_loss(out, labels, keep_logits=self.config.saves("loss"))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...layers import deferred_init, init_normal, lm_head, lm_loss, logits
+from ...layers import check_document_labels, check_position_ids, deferred_init, init_normal, lm_head, lm_loss, logits
 from .checkpoint import build_loaded, open_checkpoint, save_weights
 from .config import LlavaConfig
 from .inputs import merge_features, real_images
@@ -88,14 +88,22 @@ class LlavaForConditionalGeneration(nn.Module):
         return lm.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, normalizer: float | torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, normalizer: float | torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) without labels; with them the next-token loss (``labels[:, i]`` is token
         i + 1, ``-100`` ignored: ``inputs.next_token_labels``), its mean or its sum over ``normalizer``.
-        ``pixel_values``: (batch, max_images, C, H, W) padded slots, or transformers' (images, C, H, W)."""
+        ``pixel_values``: (batch, max_images, C, H, W) padded slots, or transformers' (images, C, H, W).
+        ``position_ids`` (batch, seq): packed documents, each beginning where the ids restart (``layers.documents``)."""
+        if position_ids is not None:
+            check_position_ids(position_ids, input_ids.shape, "LlavaForConditionalGeneration")
         h = embed_inputs(self.model, self.config, input_ids, pixel_values)
         lm = self.model.language_model
-        out = logits(lm.norm(lm.run_layers(h)), self.head_weight())
-        return out if labels is None else lm_loss(out, labels, normalizer=normalizer)
+        out = logits(lm.norm(lm.run_layers(h, position_ids)), self.head_weight())
+        if labels is None:
+            return out
+        if position_ids is not None:
+            check_document_labels(labels, position_ids)
+        return lm_loss(out, labels, normalizer=normalizer)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)

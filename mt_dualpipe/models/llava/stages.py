@@ -6,7 +6,10 @@ along dim 0 into micro-batches, the layout of ``inputs.py``) and hands on the me
 activation, (batch, seq, hidden). The last stage holds the final norm and the head (with tied
 embeddings its own copy of ``embed_tokens``, declared in ``tied_parameters``) and ``criterion``.
 Names are the full model's (transformers 5's), so ``build_stages(..., checkpoint=path)`` reads exactly a
-stage's tensors, whatever layout the checkpoint uses.
+stage's tensors, whatever layout the checkpoint uses. Packed documents (``layers/documents.py``): the
+first stage takes ``(input_ids, pixel_values, position_ids)`` (the position ids of the merged sequence,
+one per token, image tokens included) and every stage hands on ``(hidden, position_ids)``, as
+``models/decoder_stage.py`` describes.
 
 ``layout``: text layers per stage; None splits them evenly (extra layers on the middle-to-late stages),
 ``"balanced"`` weighs the vision encoder's cost on the first stage (``balance.balanced_layout``).
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...layers import deferred_init, lm_head
+from ...layers import check_position_ids, deferred_init, hand_on, lm_head
 from ..decoder_stage import DecoderStage, build_stage_list, criterion_for, local_stage_indices
 from ..decoder_stage import stage_layer_ids as _split_layers
 from .balance import balanced_layout
@@ -59,13 +62,35 @@ class LlavaStage(DecoderStage):
         parts.append(f"text layers {list(self.decoder.layers)}")
         return f"stage {self.index} of {self.num_stages}: " + ", ".join(parts)
 
-    def forward(self, x: torch.Tensor, pixel_values: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: ``(input_ids, pixel_values)`` -> merged hidden states; others: hidden -> hidden."""
-        if self.is_first:
-            x = embed_inputs(self.model, self.config, x, pixel_values)
-        elif pixel_values is not None:
-            raise ValueError(f"{self.extra_repr()} is not the first stage: only the first takes pixel_values")
-        return self.run_layers(x)
+    def forward(self, x: torch.Tensor, *extra: torch.Tensor | None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """First stage: ``(input_ids[, pixel_values][, position_ids])`` -> merged hidden states; others: hidden ->
+        hidden. Packed documents (``layers.documents``): the position ids (integers; pixel values are floats,
+        which tells the two apart) follow, a later stage takes ``(hidden, position_ids)``, and every stage then
+        returns ``(hidden, position_ids)``."""
+        pixel_values, position_ids, wrong = self.split_inputs(extra)
+        if wrong:
+            takes = "(input_ids[, pixel_values][, position_ids])" if self.is_first else (
+                "(hidden[, position_ids]): only the first stage takes pixel_values")
+            got = ", ".join("None" if t is None else f"a {t.dtype} tensor" for t in extra)
+            raise ValueError(f"{self.extra_repr()} takes {takes}; after its first input it got {got}")
+        h = embed_inputs(self.model, self.config, x, pixel_values) if self.is_first else x
+        if position_ids is None:
+            return self.run_layers(h)
+        check_position_ids(position_ids, x.shape[:2], self.extra_repr())
+        return self.run_layers(h, position_ids), hand_on(position_ids)
+
+    def split_inputs(self, extra: Sequence[torch.Tensor | None]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """The inputs after the first -> (pixel values, position ids, whether anything was left over): pixel
+        values (a float tensor or None) on the first stage only, then position ids (integers)."""
+        rest = list(extra)
+        pixel_values = position_ids = None
+        if self.is_first and rest and (rest[0] is None or rest[0].is_floating_point()):
+            pixel_values = rest.pop(0)
+        if rest and rest[0] is not None and not rest[0].is_floating_point():
+            position_ids = rest.pop(0)
+        return pixel_values, position_ids, bool(rest)
 
 
 def build_stages(config: LlavaConfig, num_stages: int, layout: Sequence[int] | None = None, *,

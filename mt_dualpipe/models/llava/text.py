@@ -26,8 +26,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -49,7 +49,7 @@ class LanguageModel(nn.Module):
         if norm:
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, position_ids)
         return h

@@ -22,6 +22,8 @@ from ...layers import (
     RMSNorm,
     SoftmaxTopKRouter,
     SwiGLUMLP,
+    check_document_labels,
+    check_position_ids,
     deferred_init,
     embedding,
     init_normal,
@@ -52,13 +54,13 @@ class Qwen3MoeDecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, recompute_product=swiglu)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attend(x)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attend(x, position_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """The attention sublayer with its residual."""
-        return x + self.self_attn(self.input_layernorm(x))
+    def attend(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention sublayer with its residual (``position_ids``: packed documents, ``layers.documents``)."""
+        return x + self.self_attn(self.input_layernorm(x), position_ids)
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         """``"full"``: the whole layer (it keeps only its input), except that with expert parallelism the
@@ -111,16 +113,23 @@ class Qwen3MoeForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) without labels; with them the mean next-token loss, plus (training with
         ``output_router_logits``) the MoE layers' balance losses, whose gradients the layers inject
-        themselves (``layers.balance.AuxLoss``): here they are added as values only."""
+        themselves (``layers.balance.AuxLoss``): here they are added as values only. ``position_ids``
+        (batch, seq): packed documents, each beginning where the ids restart (``layers.documents``; the label of a
+        document's last token must then be -100)."""
+        if position_ids is not None:
+            check_position_ids(position_ids, tokens.shape, "Qwen3MoeForCausalLM")
         h = self.model.embed_tokens(tokens)
         for layer in self.model.layers.values():
-            h = layer(h)
+            h = layer(h, position_ids)
         out = logits(self.model.norm(h), self.head_weight())
         if labels is None:
             return out
+        if position_ids is not None:
+            check_document_labels(labels, position_ids)
         loss = lm_loss(out, labels, keep_logits=self.config.saves("loss"))
         if self.training and torch.is_grad_enabled() and self.config.balance_coef > 0:
             loss = loss + sum(m.last_balance_loss for m in self.modules() if isinstance(m, MoEBlock))

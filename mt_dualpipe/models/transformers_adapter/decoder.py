@@ -41,9 +41,12 @@ class LayerInputs:
         self.mask_functions = {"full_attention": create_causal_mask,
                                "sliding_attention": create_sliding_window_causal_mask}
 
-    def __call__(self, hidden: torch.Tensor) -> dict[int, dict[str, Any]]:
-        """Per layer id, what its forward takes besides ``hidden`` (batch, seq, hidden)."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict[int, dict[str, Any]]:
+        """Per layer id, what its forward takes besides ``hidden`` (batch, seq, hidden). ``position_ids`` (packed
+        documents, ``layers.documents``): the rotary positions, and transformers' masks then keep attention
+        inside each document (they start a new one where the ids do not count up by one)."""
+        positions = (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) if position_ids is None
+                     else position_ids.long())
         used = sorted(set(self.types.values()))
         # the first four arguments positionally: their names have changed between transformers releases
         masks = {t: self.mask_functions[t](self.config, hidden, None, None, position_ids=positions) for t in used}
@@ -75,12 +78,12 @@ def call_layer(layer: nn.Module, hidden: torch.Tensor, inputs: dict[str, Any]) -
     return out[0] if isinstance(out, tuple) else out
 
 
-def run_layers(layers: Iterable[tuple[int, nn.Module]], layer_inputs: LayerInputs, hidden: torch.Tensor
-               ) -> torch.Tensor:
+def run_layers(layers: Iterable[tuple[int, nn.Module]], layer_inputs: LayerInputs, hidden: torch.Tensor,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
     layers = list(layers)
     if not layers:
         return hidden
-    inputs = layer_inputs(hidden)
+    inputs = layer_inputs(hidden, position_ids)
     for i, layer in layers:
         hidden = call_layer(layer, hidden, inputs[i])
     return hidden

@@ -58,8 +58,9 @@ class AdaptedStage(DecoderStage):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return embed(self.model.embed_tokens, self.layer_inputs.config, x)
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
-        return run_layers(((int(i), layer) for i, layer in self.model.layers.items()), self.layer_inputs, h)
+    def run_layers(self, h: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return run_layers(((int(i), layer) for i, layer in self.model.layers.items()), self.layer_inputs, h,
+                          position_ids)
 
     def head_logits(self, h: torch.Tensor) -> torch.Tensor:
         tied = self.config.tie_word_embeddings
