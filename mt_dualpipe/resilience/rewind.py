@@ -152,10 +152,11 @@ class RewindConfig:
       timeout: bound, in seconds, of the agreement and checkpoint collectives (default: the
         pipeline's ``timeout`` + 60, or 600). Must exceed the pipeline's point-to-point timeout.
       rebuild: ``rebuild(pipeline) -> pipeline``, called on every rank after a step raised on any
-        rank; it must give the pipeline fresh communication (on gloo a timed-out point-to-point
-        wait closes the connection for good). "auto" (default): ``pipeline.rebuilt()`` for a
-        pipeline that has it (``mt_dualpipe.Pipeline``), nothing for other objects; None: keep
-        the pipeline as is.
+        rank; it must give the pipeline fresh communication where the failed step left it broken.
+        "auto" (default): ``pipeline.rebuilt()`` for a pipeline that has it (``mt_dualpipe.Pipeline``:
+        fresh groups for its data-parallel reductions too), nothing for other objects; None: keep
+        the pipeline as is (a ``Pipeline`` opens a fresh point-to-point link by itself in the step
+        after a failed one, ``runtime/link.py``).
       sync_mirrored: call ``pipeline.sync_mirrored_grads()`` (DualPipe) once the verdict is ok,
         before ``grad_hook`` and ``optimizer.step()`` (always on the current, maybe rebuilt, pipeline).
       grad_hook: called after the verdict is ok and before ``optimizer.step()`` (e.g. gradient

@@ -9,10 +9,11 @@ Importable on CPU without CUDA.
 
 from .backward import run_backward
 from .deferred import DeferredLinear, defer_weight_grads
-from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
+from .errors import PipelineCommError, PipelineError, PipelinePeerError, PipelineTimeoutError
 from .modules import DualPipe, DualPipeV, Pipeline
 from .split import split_model
 from .weight_grad import WeightGradStore
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV", "run_backward", "WeightGradStore", "DeferredLinear",
-           "defer_weight_grads", "split_model", "PipelineError", "PipelineCommError", "PipelineTimeoutError"]
+           "defer_weight_grads", "split_model", "PipelineError", "PipelineCommError", "PipelineTimeoutError",
+           "PipelinePeerError"]

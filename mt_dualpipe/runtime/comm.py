@@ -29,6 +29,16 @@ change from the message size cannot work on gloo, which fails a receive of the w
 
 Every wait has a timeout; a wait that expires raises ``PipelineTimeoutError`` naming the rank, the
 instruction, the peer and the message.
+
+When a rank fails. The gloo traffic (the messages of a gloo pipeline, the metadata and both
+agreements on any backend) runs on the pipeline's own link (``link.py``). A rank whose step raises
+writes why on the link's board and closes the link (``fail``); a wait that breaks, or expires,
+closes this rank's link too, so the failure reaches every rank blocked on another within
+milliseconds, and each raises ``PipelinePeerError`` naming the rank that failed, its op and the
+cause. A rank can finish all its instructions before a peer fails (the peer's last W), so the step
+ends with a second tiny all-reduce on the link (posted in ``finish`` before the last sends are
+waited for): a rank returns only once every rank has finished, and raises if one failed instead.
+Every rank closed its link in a failed step, so every rank opens a fresh one in the next.
 """
 
 from __future__ import annotations
@@ -44,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ops import RULES, SEND_RECV, SIGNAL_OF_COMM
-from .errors import PipelineCommError, PipelineError, PipelineTimeoutError
+from .errors import PipelineCommError, PipelineError, PipelinePeerError, PipelineTimeoutError
+from .link import Link
 from .streams import StreamSync
 
 META_TAG = 1
@@ -131,16 +142,18 @@ class P2P:
     def __init__(self, rank: int, peers_global: Sequence[int], group: Any, device: torch.device,
                  timeout: float):
         self.rank = rank
+        self.rank_name = f"rank {rank}"
         self.peers_global = list(peers_global)  # pipeline rank -> global rank
         self.group = group
-        ranks_in_group = dist.get_process_group_ranks(group)
-        self.peers_group = [ranks_in_group.index(g) for g in self.peers_global]  # pipeline rank -> group rank
         self.device = torch.device(device)
         self.timeout = float(timeout)
         backend = dist.get_backend(group)
+        self.link = Link(group, rank, len(self.peers_global))  # opened by the first step (link.py)
+        self.pg: Any = None  # the link of the current step; pipeline ranks are its ranks
+        # the timeline's gather (a registered gloo group); the messages themselves use the link
         self.meta_group = group if backend == "gloo" else dist.new_group(self.peers_global, backend="gloo")
-        # gloo has no coalescing: post each op straight on the process group (what isend/irecv end in)
-        self.direct = backend == "gloo" and type(group) is dist.ProcessGroup
+        # gloo: the messages on the link, each op posted straight (gloo has no coalescing)
+        self.direct = backend == "gloo"
         self.sync = StreamSync(self.device)
         self.cache: dict[tuple, Meta] = {}
         self.fingerprint: int | None = None
@@ -150,25 +163,35 @@ class P2P:
         self.recvs: dict[tuple, _Recv] = {}
         self.sends: deque[tuple] = deque()  # (works, tensors to free, where, comm), oldest first
         self.tag_chains, self.tag_stages = 1, 1
-        self._group_rank = dict(zip(self.peers_global, self.peers_group))  # global rank -> group rank
+        self.steps = 0  # steps begun: the same count on every rank, the board's key (link.py)
+        self.refused = False  # on_agreement refused this step (on every rank alike)
+        self.ended = False  # this step's end-of-step all-reduce completed: every rank finished it
+        self._done = torch.zeros(1, dtype=torch.int64)  # what the end-of-step all-reduce carries
 
     # ----- per step ---------------------------------------------------------------------------
-    def begin_step(self, signature: object, checks: Sequence[int] = ()) -> None:
+    def begin_step(self, signature: object, checks: Sequence[int] = (), failure: str | None = None) -> None:
         """Post this step's agreement on whether shapes must be learned again (see the module docstring).
 
         ``checks``: integers every rank contributes (the same number on every rank); after the
         all-reduce every rank holds every rank's row, and ``on_agreement(rows)`` (if set) can refuse
         the step on all ranks at once, naming the rank that differs. Non-blocking: the all-reduce
         runs in the background and is settled at the first ``post`` (or at ``finish``), before any
-        learned shape is used.
+        learned shape is used. ``failure``: why this rank cannot run the step, written on the board
+        before the all-reduce is posted, so every peer can name it once the all-reduce is done. Opens
+        the link first (a fresh one after a failed step: a rendezvous of every rank).
         """
+        self.steps += 1
+        self.refused = self.ended = False
+        if failure is not None:
+            self.link.report(self.steps, failure)
+        pg = self.pg = self.link.open(self.timeout)
         fp = zlib.crc32(repr(signature).encode())
         width = 1 + len(checks)
         vals = [0] * (width * len(self.peers_global))
         vals[self.rank * width] = int(fp != self.fingerprint)
         vals[self.rank * width + 1: (self.rank + 1) * width] = checks
         flag = torch.tensor(vals, dtype=torch.int64)
-        work = dist.all_reduce(flag, dist.ReduceOp.SUM, group=self.meta_group, async_op=True)
+        work = pg.allreduce([flag])  # a sum
         self.fingerprint = fp
         self.agreement = (work, flag, width)
 
@@ -183,7 +206,11 @@ class P2P:
         vals = flag.tolist()
         rows = [vals[i: i + width] for i in range(0, len(vals), width)]
         if self.on_agreement is not None:
-            self.on_agreement([r[1:] for r in rows])
+            try:
+                self.on_agreement([r[1:] for r in rows])
+            except PipelineError:
+                self.refused = True  # every rank refuses alike: nothing to tell (fail)
+                raise
         if any(r[0] for r in rows):
             self.cache.clear()
             return True
@@ -201,6 +228,35 @@ class P2P:
         self.agreement = None  # an all-reduce still in flight completes on its own
         self.recvs.clear()
         self.sends.clear()
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """What this rank raises for a step that ``exc`` stopped (see "When a rank fails" above).
+
+        ``exc`` from a wait that broke (the link is closed: a peer closed it): the ``PipelinePeerError``
+        naming the rank that failed, as its board says, or ``exc`` itself when no rank wrote there (a
+        peer that died or hangs). A refused step: ``exc``, or the failure a rank wrote when it could not
+        prepare the step. After the end-of-step all-reduce: ``exc`` (every peer finished the step).
+        Otherwise this rank failed: it writes ``exc`` on the board, closes the link, and gets
+        ``exc`` back, as a ``PipelineError`` if it is another ``Exception`` (a ``KeyboardInterrupt``
+        stays what it is).
+        """
+        if self.ended:
+            return exc
+        if isinstance(exc, Exception) and (self.refused or not self.link.is_open):
+            reports = self.link.reports(self.steps)
+            if not reports:
+                return exc
+            rank = min(reports)
+            return PipelinePeerError(f"{self.rank_name}: rank {rank} failed, so every rank of the pipeline stopped "
+                                     f"this step: {reports[rank]}", rank, reports[rank])
+        if not self.link.is_open:  # interrupted after a peer's failure: nothing left to tell
+            return exc
+        text = describe_failure(exc, self.rank_name)
+        self.link.report(self.steps, text)
+        self.link.close()
+        if isinstance(exc, PipelineError) or not isinstance(exc, Exception):
+            return exc
+        return PipelineError(text)
 
     def _timeout_error(self, where: tuple, what: str | Callable[[], str], peer: int, exc: BaseException | None,
                        how: str = "failed waiting") -> PipelineCommError:
@@ -226,8 +282,10 @@ class P2P:
             try:
                 ok = w.wait(td)
             except RuntimeError as exc:
+                self.link.close()  # so the ranks blocked on this one wake too
                 raise self._timeout_error(where, what, peer, exc) from None
             if ok is False:
+                self.link.close()
                 raise self._timeout_error(where, what, peer, None)
 
     # ----- posting ----------------------------------------------------------------------------
@@ -247,6 +305,7 @@ class P2P:
         except RuntimeError as exc:
             if isinstance(exc, PipelineError):
                 raise
+            self.link.close()
             peers = sorted({c.peer for c, *_ in list(sends) + list(recvs)})
             raise self._timeout_error(where, "posting its messages", peers[0] if len(peers) == 1 else -1, exc,
                                       "failed") from None
@@ -268,7 +327,7 @@ class P2P:
         ops: list = []
         owner: list[int] = []  # per op: index in sends (>= 0) or -1 - index in recvs
         for i, (comm, key, tensors, _) in enumerate(sends):
-            dst, tag = self.peers_global[comm.peer], self.tag(key)
+            dst, tag = comm.peer, self.tag(key)
             for t in tensors:
                 if t is not None:
                     ops.append((True, _sendable(t), dst, tag))
@@ -278,7 +337,7 @@ class P2P:
             meta = self.cache.get(key)
             if meta is None:  # learn the shapes first; the data receive is posted at take()
                 buf = torch.empty(META_LEN, dtype=torch.int64)
-                work = dist.irecv(buf, self.peers_global[comm.peer], self.meta_group, META_TAG)
+                work = self.pg.recv([buf], comm.peer, META_TAG)
                 late.append((comm, key, work, buf))
                 continue
             bufs = self._recv_ops(comm, key, meta, ops, owner, -1 - i)
@@ -303,7 +362,7 @@ class P2P:
         known = self.cache.get(key)
         if known is None:
             self.cache[key] = meta
-            work = dist.isend(encode(meta), self.peers_global[comm.peer], self.meta_group, META_TAG)
+            work = self.pg.send([encode(meta)], comm.peer, META_TAG)
             self.sends.append(([work], [], where, comm))
         elif meta != known:
             raise PipelineError(
@@ -312,25 +371,24 @@ class P2P:
                 "shapes and dtypes may change between steps (when the inputs change), not within one")
 
     def _post_direct(self, where: tuple, sends: Sequence[tuple], recvs: Sequence[tuple]) -> None:
-        """gloo: each tensor straight on the process group (what isend/irecv end in), one work each."""
-        g, peers, tag_of, dev = self.group, self.peers_group, self.tag, self.device
+        """gloo: each tensor straight on the link (what isend/irecv end in), one work each."""
+        g, tag_of, dev = self.pg, self.tag, self.device
         for comm, key, tensors, free in sends:
-            dst, tag = peers[comm.peer], tag_of(key)
+            dst, tag = comm.peer, tag_of(key)
             works = [g.send([_sendable(t)], dst, tag) for t in tensors if t is not None]
             self.sends.append((works, _weak(free), where, comm))
         for comm, key in recvs:
             meta = self.cache.get(key)
             if meta is None:  # learn the shapes first; the data receive is posted at take()
                 buf = torch.empty(META_LEN, dtype=torch.int64)
-                work = dist.irecv(buf, self.peers_global[comm.peer], self.meta_group, META_TAG)
-                self.recvs[key] = _Recv(None, [work], where, comm, None, buf)
+                self.recvs[key] = _Recv(None, [g.recv([buf], comm.peer, META_TAG)], where, comm, None, buf)
                 continue
-            src, tag = peers[comm.peer], tag_of(key)
+            src, tag = comm.peer, tag_of(key)
             bufs = [None if m is None else torch.empty(m[1], dtype=m[0], device=dev) for m in meta]
             self.recvs[key] = _Recv(bufs, [g.recv([b], src, tag) for b in bufs if b is not None], where, comm, None)
 
     def _recv_ops(self, comm, key, meta: Meta, ops: list, owner: list, slot: int) -> list:
-        src, tag = self.peers_global[comm.peer], self.tag(key)
+        src, tag = comm.peer, self.tag(key)
         bufs = []
         for m in meta:
             if m is None:
@@ -343,16 +401,16 @@ class P2P:
         return bufs
 
     def _launch(self, ops: list) -> list:
-        """Post ``ops`` = [(is_send, tensor, global peer, tag)] as one batch; one work per op (or per batch)."""
+        """Post ``ops`` = [(is_send, tensor, pipeline peer, tag)] as one batch; one work per op (or per batch)."""
         if not ops:
             return []
         if self.direct:
-            g, peer_of = self.group, self._group_rank
-            return [g.send([t], peer_of[peer], tag) if is_send else g.recv([t], peer_of[peer], tag)
-                    for is_send, t, peer, tag in ops]
+            g = self.pg
+            return [g.send([t], peer, tag) if is_send else g.recv([t], peer, tag) for is_send, t, peer, tag in ops]
+        glob = self.peers_global
         with self.sync.comm():
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer, self.group, tag)
-                                           for is_send, t, peer, tag in ops])
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, glob[peer], self.group,
+                                                      tag) for is_send, t, peer, tag in ops])
 
     # ----- completion ---------------------------------------------------------------------------
     def take(self, key: tuple, consumer: tuple, requires_grad: bool) -> list[torch.Tensor | None]:
@@ -385,17 +443,35 @@ class P2P:
             _release(sends.popleft()[1])
 
     def finish(self, where: tuple) -> None:
-        """Wait for every outstanding send; called at the end of a step."""
+        """Wait for every outstanding send and for every rank to finish the step; called at the end of a step.
+
+        The end-of-step all-reduce is posted first, so it overlaps the waits for the last sends.
+        """
         if self.agreement is not None:
             self.settle()
+        done = self.pg.allreduce([self._done])
         for works, free, _, comm in self.sends:
             self._wait(works, where, lambda c=comm: f"{c} to complete", comm.peer)
             _release(free)
         self.sends.clear()
+        self._wait([done], where, "every rank to finish the step (end-of-step all-reduce)", -1)
+        self.ended = True
         if self.recvs:
             keys = ", ".join(str(k) for k in self.recvs)
             self.recvs.clear()
             raise PipelineError(f"rank {self.rank}: the step ended with received messages nobody used: {keys}")
+
+
+def describe_failure(exc: BaseException, rank_name: str) -> str:
+    """The line a failing rank writes on the board: its rank, the op and the cause.
+
+    A ``PipelineError`` names them already (a stage's error says ``rank r F(chain c, stage s, mb m)
+    in Module: ValueError: ...``); anything else gets the rank and its type prepended.
+    """
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    if isinstance(exc, PipelineError) and first.startswith(rank_name):
+        return first
+    return f"{rank_name}: {type(exc).__name__}: {first}" if first else f"{rank_name}: {type(exc).__name__}"
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,10 @@ from .data_parallel import (
     rank_label,
     refuse_wrapped,
 )
-from .errors import PipelineError
+from .errors import PipelineError, PipelinePeerError
 from .executor import Executor
 from .microbatches import MicrobatchError, is_ragged, joined, replica_share, split
-from .step_checks import NOT_HELD, Given, StepCheck, StepVerifier, given, mixed_forms
+from .step_checks import NOT_HELD, UNEXPECTED, Given, StepCheck, StepVerifier, given, mixed_forms
 from .timeline import gather_timeline
 from .weight_grad import WeightGradStore
 
@@ -341,10 +341,14 @@ class Pipeline(nn.Module):
             except PipelineError as exc:
                 prepared.problem, prepared.problem_code = exc, 2
                 self._fail_together(prepared.check(num_chunks, not forward_only), exc)
+            except Exception as exc:  # noqa: BLE001 - any error here must stop every rank, named
+                self._fail_unexpectedly(prepared, num_chunks, forward_only, exc)
         try:
             self._prepare(prepared, inputs, num_chunks, criterion, labels, forward_only)
         except (PipelineError, ScheduleError) as exc:
             prepared.problem = exc
+        except Exception as exc:  # noqa: BLE001 - any error here must stop every rank, named
+            self._fail_unexpectedly(prepared, num_chunks, forward_only, exc)
         check = prepared.check(num_chunks, not forward_only)
         if prepared.problem is not None:
             self._fail_together(check, prepared.problem)
@@ -352,10 +356,13 @@ class Pipeline(nn.Module):
         try:
             res = ex.run(prepared.inputs, prepared.labels, criterion, forward_only, return_outputs,
                          self.record_timeline, check.row(), self.record_activation_bytes)
-        except BaseException:
+        except BaseException as exc:
             self.store.clear()
+            raised = self.p2p.fail(exc)  # tell the peers, or name the peer that failed (comm.py)
             self.p2p.forget()  # the ranks may disagree on what was learned: learn again next step
-            raise
+            if raised is exc:
+                raise
+            raise raised from (None if isinstance(raised, PipelinePeerError) else exc)
         if not forward_only:
             self.peak_activations = res.peak_activations
             self.peak_activation_bytes = res.peak_activation_bytes
@@ -419,14 +426,24 @@ class Pipeline(nn.Module):
                 exc.kind, 2 if what == "inputs" else 3)
             raise PipelineError(str(exc)) from None  # the kind was for the code; the user sees a PipelineError
 
-    def _fail_together(self, check: StepCheck, problem: BaseException) -> None:
+    def _fail_unexpectedly(self, prepared: _Prepared, num_chunks: Any, forward_only: bool, exc: Exception) -> None:
+        """An error the step's own checks did not foresee while preparing the step (splitting the inputs, say):
+        every rank stops, and the others name it (its text goes on the link's board, ``link.py``)."""
+        problem = PipelineError(f"{self.rank_name} while preparing the step: {type(exc).__name__}: {exc}")
+        problem.__cause__ = exc
+        prepared.problem, prepared.problem_code = problem, UNEXPECTED
+        self._fail_together(prepared.check(num_chunks, not forward_only), problem,
+                            str(problem).splitlines()[0][:500])
+
+    def _fail_together(self, check: StepCheck, problem: BaseException, report: str | None = None) -> None:
         """Take part in the step-start agreement (so the other ranks fail at once too), then raise ``problem``,
-        or the agreed error when the ranks mixed lists of micro-batches with batched tensors (its root cause)."""
+        or the agreed error when the ranks mixed lists of micro-batches with batched tensors (its root cause).
+        ``report``: the line the peers' errors quote (written on the link's board before the agreement)."""
         verifier = self.p2p.on_agreement
         if isinstance(verifier, StepVerifier):
             verifier.seen = None
         try:
-            self.p2p.begin_step(None, check.row())
+            self.p2p.begin_step(None, check.row(), report)
             self.p2p.settle()
         except Exception:  # noqa: BLE001 - this rank's own problem is the error to report
             pass

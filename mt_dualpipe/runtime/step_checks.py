@@ -39,8 +39,10 @@ PROBLEMS = {
     7: "passed its labels as a list of {label_count} micro-batches, not one tensor per micro-batch of its chain",
     8: "mixes lists of micro-batches with batched tensors in its inputs and labels",
     9: "passed inputs or labels that are neither Tensors, lists of Tensors (one per micro-batch) nor None",
+    10: "raised an error while preparing the step",
 }
 """Codes a rank reports when it cannot start the step; the rank itself raises the detailed error."""
+UNEXPECTED = 10  # an error no check foresaw; the peers quote it from the link's board (link.py)
 
 
 @dataclass(frozen=True)

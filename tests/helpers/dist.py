@@ -5,11 +5,12 @@
 ``torch.set_num_threads(1)``, calls ``fn(rank, world_size, *args)`` in each and returns the list of
 per-rank return values. A rank that raises makes ``run_ranks`` raise ``RankError`` carrying that
 rank's traceback (the root cause first: a rank that failed on its own beats one that timed out
-waiting for it), or, with ``return_exceptions=True``, puts a ``RankFailure`` in its slot. A run
-that takes longer than ``timeout`` seconds is killed and raises ``TimeoutError``, so a hang fails
-the test instead of blocking it. ``fn`` must be a module-level function (it is pickled); ``fn``,
-its arguments and the return values travel by plain pickle (tensors by value: no shared-memory
-handles, whose file descriptors a fork server could not pass in numbers).
+waiting for it or stopped because it failed), or, with ``return_exceptions=True``, puts a
+``RankFailure`` in its slot. A run that takes longer than ``timeout`` seconds is killed and raises
+``TimeoutError``, so a hang fails the test instead of blocking it. ``fn`` must be a module-level
+function (it is pickled); ``fn``, its arguments and the return values travel by plain pickle
+(tensors by value: no shared-memory handles, whose file descriptors a fork server could not pass
+in numbers).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
                 failures.append(value)
                 deadline = min(deadline, time.monotonic() + 3.0)  # collect the peers' errors briefly
         if failures:
-            failures.sort(key=lambda f: (f.type_name in ("PipelineTimeoutError", "PipelineCommError"), f.rank))
+            failures.sort(key=lambda f: (f.type_name in ("PipelineTimeoutError", "PipelineCommError",
+                                                          "PipelinePeerError"), f.rank))
             raise RankError(failures[0])
     finally:
         for p in procs:

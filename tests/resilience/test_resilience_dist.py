@@ -130,12 +130,12 @@ def test_nan_on_one_rank_rewinds_every_rank_and_matches_a_clean_run_without_that
         assert o["same"], "parameters differ from the clean run that skipped batch 3"
 
 
-def test_exception_in_an_op_times_out_the_peer_and_every_rank_rewinds(fault_runs):
+def test_exception_in_an_op_stops_the_peer_and_every_rank_rewinds(fault_runs):
     out = fault_runs["raise"]
     assert out[0]["events"] == out[1]["events"]
     (step, _, kind, ranks, cause, rewound_to, skipped), = out[0]["events"]
     assert (step, kind, ranks, rewound_to, skipped) == (3, FaultKind.EXCEPTION, [0, 1], 2, False)
-    assert "rank 0: InjectedFault" in cause and "rank 1: PipelineTimeoutError" in cause
+    assert "rank 0: InjectedFault" in cause and "rank 1: PipelinePeerError" in cause
     for o in out:
         assert o["counters"]["rebuilds"] == 1
         assert o["same"], "parameters differ from the clean run"

@@ -101,7 +101,7 @@ def test_nan_on_one_replica_rewinds_every_replica(mode: str) -> None:
     step, pos, kind, ranks, rewound_to = out[0]["events"][0]
     assert (step, pos, rewound_to) == (NAN_STEP, NAN_STEP, 2) and NAN_RANK in ranks
     assert kind >= FaultKind.NONFINITE_GRAD
-    if raises:  # every rank raised: the faulty one, its pipeline peer (p2p timeout), the other replica (bounded wait)
+    if raises:  # every rank raised: the faulty one, its pipeline peer (stopped by it), the other replica (bounded wait)
         assert out[0]["events"][1] == (RAISE_STEP, 4, int(FaultKind.EXCEPTION), [0, 1, 2, 3], 2)
     for a, b in zip(out[0]["params"], out[1]["params"]):  # the two replicas of pipeline rank 0 stayed equal
         assert torch.equal(a, b)

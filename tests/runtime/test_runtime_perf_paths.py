@@ -117,6 +117,7 @@ def _agreement_worker(rank, world):
     group = dist.distributed_c10d._get_default_group()
     p2p = P2P(rank, list(range(world)), group, torch.device("cpu"), timeout=20)
     out = {}
+    p2p.link.open(p2p.timeout)  # the pipeline's link (link.py): the first step's rendezvous is not what is timed
     # step 1: rank 1 starts late; rank 0's begin_step must not wait for it
     if rank == 1:
         time.sleep(1.0)
