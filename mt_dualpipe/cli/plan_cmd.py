@@ -10,8 +10,9 @@ from pathlib import Path
 from ..models.planner_specs import planner_model, planner_names
 from ..planner import ModelSpec, plan
 from ..planner.activations import memory_savers
+from ..planner.families import FAMILY_FACTS, PlannedFamily, family_of
 from ..planner.report import print_plan
-from ..planner.runnable import ZERO_STAGES, demo_command, launch, miniature, zero_from_config
+from ..planner.runnable import ZERO_STAGES, command_refusal, demo_command, launch, miniature, zero_from_config
 from ..planner.search import PlanResult
 from ..planner.system import load_system, parse_size_gb
 from ..schedules.errors import ScheduleError
@@ -36,8 +37,10 @@ def register(subparsers) -> None:
                     "print the best. The cluster is a model: nothing is launched. Every configuration says "
                     "whether the runtime can launch it (column 'run', JSON 'runnable' with the reasons and "
                     "'launch' with pp, dp, ep, tp, schedule, microbatches, dp_mode, recompute in the runtime's "
-                    "terms, and 'command', a command line running that layout in miniature in "
-                    "examples/deepseek_v3_repro.py): today it runs recompute none, selective and full, dp_mode "
+                    "terms, 'command', that layout as the planned family's example's command line, and "
+                    "'miniature', the same on the family's tiny preset and a few local processes: "
+                    "examples/deepseek_v3_repro.py for DeepSeek-V3, examples/train_family.py --family for the "
+                    "others): today it runs recompute none, selective and full, dp_mode "
                     "allreduce (--zero 0), zero1 (--zero 1) or fsdp (--zero 3, without expert parallelism or "
                     "weights tied across stages), tp 1 (--tp sizes are estimated, Megatron-style with sequence "
                     "parallelism, and marked). Unrunnable ones are marked, not hidden, unless --runnable-only.")
@@ -66,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp8"), default=None, help="GEMM / activation precision")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="selective",
                    help="activation recompute to model (default selective, DeepSeek-V3's; the runtime applies each "
-                        "policy to DeepSeek-V3 and Llama stages)")
+                        "policy to every family's stages)")
     p.add_argument("--runnable-only", action="store_true",
                    help="rank only configurations the runtime can launch (default: rank all, mark the others)")
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=1,
@@ -76,16 +79,18 @@ def register(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--json", dest="json_path", default=None, help="also write the ranking as JSON to this path")
     p.add_argument("--keep-pp", action="store_true",
-                   help="print the miniature (the demo's command for the best runnable layout) at that layout's own "
-                        "pp, one local process per pipeline rank, the tiny DeepSeek-V3 given the fewest --layers "
-                        "that put a block on every stage, at small sizes (--vocab-size 128 --seq-len 16 "
-                        "--micro-batch-size 1 --steps 20: pp 16 takes about 4 minutes on 2 cores); default: pp 2, "
-                        "at most 4 processes, the demo's own sizes")
+                   help="print the miniature (the family's example's command for the best runnable layout) at that "
+                        "layout's own pp, one local process per pipeline rank, the family's tiny preset given the "
+                        "fewest --layers that put a block on every stage, at small sizes (--vocab-size 128 "
+                        "--seq-len 16 --micro-batch-size 1 --steps 20: DeepSeek-V3 at pp 16 takes about 4 minutes "
+                        "on 2 cores); default: pp 2, at most 4 processes, the example's own sizes")
     p.add_argument("--memory-savers", default="auto",
-                   help="DeepSeek-V3's activation savers to count, as the runtime's DeepSeekV3Config.memory_savers: "
-                        "'auto' (default: none, or all of them when nothing fits without them on a model whose "
-                        "modules have them), 'all', 'none' or a comma-separated subset of norm, swiglu, combine, "
-                        "router, attention, loss, mla_input (planner/activations.py)")
+                   help="the planned family's activation savers to count, as its config's memory_savers "
+                        "(layers/savers.py): 'auto' (default: none, or all of them when nothing fits without them on "
+                        "a model whose modules have them), 'all' (the family's), 'none' or a comma-separated subset "
+                        "of the family's: "
+                        + "; ".join(f"{f.title} {', '.join(f.savers)}" for f in FAMILY_FACTS.values())
+                        + " (planner/families.py)")
     p.set_defaults(func=cmd_plan)
 
 
@@ -144,42 +149,51 @@ def strategy_options(path: str | None) -> dict:
     return out
 
 
-def with_commands(data: dict, keep_pp: bool = False) -> dict:
-    """The plan's JSON with ``"command"`` next to every configuration's ``"launch"``: the demo's command line
-    for a runnable one (``planner.runnable.demo_command``), None for one the runtime cannot launch; and
-    ``"miniature"``, the command of its miniature (at its own pp with ``keep_pp``)."""
+def with_commands(data: dict, family: PlannedFamily, keep_pp: bool = False) -> dict:
+    """The plan's JSON with ``"command"`` next to every configuration's ``"launch"``: the planned ``family``'s
+    example's command line for a runnable one (``planner.runnable.demo_command``), None for one the runtime
+    cannot launch; ``"miniature"``, the command of its miniature (at its own pp with ``keep_pp``); and, where
+    the example cannot take the layout, ``"no_miniature"``: why (``runnable.command_refusal``)."""
     entries = data["configurations"] + data["over_memory"] + ([data["reference"]] if data.get("reference") else [])
     for entry in entries:
-        entry["command"] = demo_command(entry["launch"]) if entry["runnable"] else None
-        entry["miniature"] = demo_command(miniature(entry["launch"], keep_pp=keep_pp)) if entry["runnable"] else None
+        runnable = entry["runnable"]
+        small = miniature(entry["launch"], family, keep_pp=keep_pp)
+        entry["command"] = demo_command(entry["launch"], family) if runnable else None
+        entry["miniature"] = demo_command(small, family) if runnable else None
+        refusal = command_refusal(small, family) if runnable else None
+        if refusal:
+            entry["no_miniature"] = refusal
     return data
 
 
 def best_command(result, keep_pp: bool = False) -> str | None:
-    """The fastest runnable configuration that fits, as a line: its launch tuple and the demo's command for its
-    miniature (``runnable.miniature``: the same program on the tiny DeepSeek-V3 and a few local processes, or
-    with ``keep_pp`` one process per pipeline rank of the layout, the model deepened to fill its stages)."""
+    """The fastest runnable configuration that fits, as a line: its launch tuple and the command of its
+    miniature (``runnable.miniature``: the same program on the planned family's tiny preset and a few local
+    processes, or with ``keep_pp`` one process per pipeline rank of the layout, the model deepened to fill its
+    stages), or why there is none (``runnable.command_refusal``)."""
+    family = family_of(result.model)
     for est in result.ranked:
         if not est.runnable:
             continue
         full = launch(est.strategy, result.memory_savers)
-        small = miniature(full, keep_pp=keep_pp)
-        command = demo_command(small)
-        if command is None:
-            return None
-        layers = f", {small['layers']} layers" if small.get("layers") else ""
-        return (f"the best runnable layout launches as pp {full['pp']} x dp {full['dp']} x ep {full['ep']} "
+        small = miniature(full, family, keep_pp=keep_pp)
+        lead = (f"the best runnable layout launches as pp {full['pp']} x dp {full['dp']} x ep {full['ep']} "
                 f"({full['schedule']}, {full['dp_mode']}, recompute {full['recompute']}, {full['microbatches']} "
-                f"micro-batches of {full['micro_batch_size']}); the same program in miniature (tiny DeepSeek-V3"
-                f"{layers}, pp {small['pp']} x dp {small['dp']} x ep {small['ep']} local gloo processes):\n  {command}")
+                f"micro-batches of {full['micro_batch_size']})")
+        refusal = command_refusal(small, family)
+        if refusal:
+            return f"{lead}; no miniature: {refusal}"
+        layers = f", {small['layers']} layers" if small.get("layers") else ""
+        return (f"{lead}; the same program in miniature (tiny {family.title}{layers}, pp {small['pp']} x dp "
+                f"{small['dp']} x ep {small['ep']} local gloo processes):\n  {demo_command(small, family)}")
     return None
 
 
 def planned_with_savers(model: ModelSpec, savers: str, planned: Callable[[str], PlanResult]
                         ) -> tuple[PlanResult, str]:
     """The plan with the savers asked for; with ``"auto"``, without savers unless nothing fits that way and
-    the model's modules have DeepSeek-V3's savers (MLA: ``models/deepseek_v3``, the only modules the
-    switches exist in), then with all of them, and a line saying so (empty when nothing was switched on)."""
+    the model's modules have savers (a family whose modules declare what they keep, or MLA: DeepSeek-V3's
+    modules), then with all of the family's, and a line saying so (empty when nothing was switched on)."""
     if savers != "auto":
         return planned(savers), ""
     plain = planned("none")
@@ -188,9 +202,10 @@ def planned_with_savers(model: ModelSpec, savers: str, planned: Callable[[str], 
     saved = planned("all")
     if not saved.ranked:
         return plain, ""
-    return saved, ("nothing fits without the activation savers (DeepSeek-V3's report's, options of the shared modules, "
-                   "all in the runtime): planned with all of them on (--memory-savers none plans without them, a "
-                   "list picks some)")
+    family = family_of(model)
+    return saved, (f"nothing fits without the activation savers ({family.owner}: {', '.join(family.savers)}; "
+                   "options of the shared modules, all in the runtime): planned with all of them on "
+                   "(--memory-savers none plans without them, a list picks some)")
 
 
 def result_savers(asked: str) -> str:
@@ -209,10 +224,12 @@ def full_recompute_hint(recompute: str, full: PlanResult) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    family = planner_model(args.model)
-    model = family.spec if family is not None else ModelSpec.load(args.model)
-    if family is not None and family.note:
-        print(family.note)
+    described = planner_model(args.model)
+    model = described.spec if described is not None else ModelSpec.load(args.model)
+    if described is not None and described.note:
+        print(described.note)
+    family = family_of(model)
+    family.memory_savers(args.memory_savers)  # a saver the family's modules lack fails before any estimate
     system = _system(args)
     options = strategy_options(args.strategy)
     if args.pp:
@@ -235,7 +252,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ScheduleError(f"--auto must be >= 0, got {args.auto}")
     def planned(savers: str, **changes):
         # a family's model counts its savers from its modules, built with them on; the formulas read the switch
-        spec = model if family is None else planner_model(args.model, savers).spec
+        savers = family.memory_savers(savers)  # "all": the family's own
+        spec = model if described is None else planner_model(args.model, savers).spec
         with memory_savers(savers):
             return plan(spec, system, args.gpus, args.global_batch, auto_top=args.auto,
                         runnable_only=args.runnable_only, **{**options, **changes})
@@ -251,6 +269,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(command)
     if args.json_path:
         with open(args.json_path, "w") as fh:
-            json.dump(with_commands(result.to_dict(max(args.top, 20)), args.keep_pp), fh, indent=2)
+            json.dump(with_commands(result.to_dict(max(args.top, 20)), family, args.keep_pp), fh, indent=2)
             fh.write("\n")
     return 0 if result.ranked else 1

@@ -65,6 +65,7 @@ from ..schedules.placements import balanced_cuts
 from ..schedules.simulate import SimResult, run_schedule
 from .activations import FP8_LIN, active_savers
 from .dp_sync import param_gather_time, stage_sync_times
+from .families import family_of
 from .memory_terms import MemoryTerm, memory_terms, totals, weight_bytes
 from .model import Item, ModelSpec
 from .runnable import launch, unrunnable_reasons
@@ -468,6 +469,7 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     if model.is_moe and model.expert_num % strategy.ep:
         raise ScheduleError(f"expert parallel size {strategy.ep} must divide the {model.expert_num} experts")
     tokens = strategy.seq_len * strategy.micro_batch_size
+    family = family_of(model)  # what the memory terms name as the code that keeps them
     stages = stage_items(model, strategy, system)
     costs = stage_costs(model, strategy, system, stages)
     sched = _schedule(strategy, costs)
@@ -491,7 +493,8 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
         extra = model.vocab_size * model.hidden_size if model.mtp_depth and len(stages) - 1 in local \
             and 0 not in local else 0.0
         acts = activation_peak_bytes(sched.ranks[r], stage_bytes, w_bytes, in_bytes)
-        terms = memory_terms(strategy, stages, local, acts, extra, stage_bytes)
+        terms = memory_terms(strategy, stages, local, acts, extra, stage_bytes,
+                             experts_code=family.experts_code if model.is_moe else None, saved_code=family.saved_code)
         mem = totals(terms)
         optimizer = max(optimizer, optimizer_step_time(strategy, system, stages, local))
         per_rank.append(mem["total"])

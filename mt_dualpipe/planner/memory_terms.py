@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..parallel.modes import mode_for_zero_stage
+from .families import DESCRIPTION
 from .model import Item
 from .strategy import Strategy
 
@@ -72,9 +73,13 @@ class RankParams:
 
 
 def memory_terms(strategy: Strategy, stages: Sequence[Sequence[Item]], local: Sequence[int], act_bytes: float,
-                 extra_params: float = 0.0, stage_bytes: Sequence[float] | None = None) -> list[MemoryTerm]:
+                 extra_params: float = 0.0, stage_bytes: Sequence[float] | None = None, *,
+                 experts_code: str | None = DESCRIPTION.experts_code,
+                 saved_code: str = DESCRIPTION.saved_code) -> list[MemoryTerm]:
     """The terms of one rank holding ``local`` stages with ``act_bytes`` of saved activations at its peak
     (``stage_bytes``: what one micro-batch of each stage saves, named in the activations' formula).
+    ``experts_code``: the code that holds the rank's routed experts in the planned family (``planner/families.py``),
+    None for a dense model (no expert terms); ``saved_code``: where its layers' saved bytes come from.
 
     The optimizer state is divided over the data-parallel group (experts': the expert-data-parallel
     group, dp / ep) when the strategy's mode shards it (zero1, fsdp); weights and gradients are whole
@@ -88,12 +93,12 @@ def memory_terms(strategy: Strategy, stages: Sequence[Sequence[Item]], local: Se
     b = f"{p.dense / 1e9:.3f} B"
     e = f"{p.expert / 1e9:.3f} B"
     stage_code = "the stage modules' parameters (stages_for_rank; a weight two local stages share counted once)"
-    terms = [
-        MemoryTerm("weights", "non-expert weights", p.dense * wb / GB, f"{b} params x {wb:g} B", stage_code),
-        MemoryTerm("weights", "routed-expert weights", p.expert * wb / GB,
-                   f"{e} params (experts / ep {strategy.ep}) x {wb:g} B",
-                   "the rank's experts (models/deepseek_v3/moe.py: MoE over its ep group)"),
-    ]
+    moe = experts_code is not None
+    terms = [MemoryTerm("weights", "non-expert weights", p.dense * wb / GB, f"{b} params x {wb:g} B", stage_code)]
+    if moe:
+        terms.append(MemoryTerm("weights", "routed-expert weights", p.expert * wb / GB,
+                                f"{e} params (experts / ep {strategy.ep}) x {wb:g} B",
+                                f"the rank's experts ({experts_code})"))
     if p.fp8:
         terms.append(MemoryTerm("weights", "FP8 weight copies", p.fp8 / GB, f"{p.fp8 / 1e9:.3f} B linear params x 1 B",
                                 "FP8Linear's cached E4M3 weight (fp8/linear.py)"))
@@ -104,19 +109,22 @@ def memory_terms(strategy: Strategy, stages: Sequence[Sequence[Item]], local: Se
             f" per micro-batch; the peak is {held:.2f} micro-batches of the largest)"
     terms += [
         MemoryTerm("gradients", "gradients", (p.dense + p.expert) * gb / GB,
-                   f"({b} + {e}) params x {gb:g} B", "each parameter's .grad until the step's reduction "
+                   f"({b} + {e}) params x {gb:g} B" if moe else f"{b} params x {gb:g} B",
+                   "each parameter's .grad until the step's reduction "
                    "(parallel/grad_sync.py; zero1 keeps only its shard after the reduce-scatter); FP32 as the "
                    "report's recipe: the runtime's .grad has the parameter's dtype, so a BF16 model keeps less"),
         MemoryTerm("optimizer", "non-expert optimizer state", p.dense * ob / shard_dense / GB,
                    f"{b} params x {ob:g} B / {shard_dense}", _optimizer_code(strategy, mode.name)),
-        MemoryTerm("optimizer", "routed-expert optimizer state", p.expert * ob / shard_expert / GB,
-                   f"{e} params x {ob:g} B / {shard_expert} (dp / ep)", _optimizer_code(strategy, mode.name)),
-        MemoryTerm("activations", "saved activations at the rank's peak", act_bytes / GB,
-                   "the most bytes the rank's op order holds at once: per stage, tokens x the bytes its "
-                   "layers save per token (planner/activations.py), held from F to B/BW" + per_mb,
-                   "the autograd graphs of the micro-batches in flight (runtime/stage.py; recorded by "
-                   "runtime/activation_bytes.py)"),
     ]
+    if moe:
+        terms.append(MemoryTerm("optimizer", "routed-expert optimizer state", p.expert * ob / shard_expert / GB,
+                                f"{e} params x {ob:g} B / {shard_expert} (dp / ep)",
+                                _optimizer_code(strategy, mode.name)))
+    terms.append(MemoryTerm("activations", "saved activations at the rank's peak", act_bytes / GB,
+                            "the most bytes the rank's op order holds at once: per stage, tokens x the bytes its "
+                            f"layers save per token ({saved_code}), held from F to B/BW" + per_mb,
+                            "the autograd graphs of the micro-batches in flight (runtime/stage.py; recorded by "
+                            "runtime/activation_bytes.py)"))
     return terms
 
 

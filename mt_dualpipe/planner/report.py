@@ -7,8 +7,9 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from .activations import SAVERS, active_savers
+from .activations import active_savers
 from .estimate import Estimate
+from .families import PlannedFamily, family_of
 from .model import ModelSpec
 from .runnable import short_reason
 from .search import PlanResult
@@ -48,26 +49,28 @@ COLUMNS = ("#", "pp", "schedule", "M", "ep", "dp", "tp", "step s", "pipe s", "sy
 "of s" the same sync with nothing hidden; "run" whether the runtime can launch the row."""
 
 
-RECOMPUTE_SAVERS = {
-    "none": "no recompute",
-    "selective": "selective recompute (DeepSeek-V3: q, k, v rebuilt from the MLA latents in B (their RMSNorms and "
-                 "the up-projections); Llama: the core attention and the SwiGLU product)",
-    "full": "full recompute (each layer keeps its input; a MoE layer's routing, dispatch and combine still keep "
-            "theirs)",
-}
+def recompute_line(recompute: str, family: PlannedFamily) -> str:
+    """What the recompute policy keeps, in the planned family's terms (``models/recompute.py`` applies it)."""
+    if recompute == "selective":
+        return f"selective recompute ({family.selective})"
+    if recompute == "full":
+        return "full recompute (each layer keeps its input; a MoE layer's routing, dispatch and combine still keep " \
+               "theirs)"
+    return "no recompute"
 
 
-def savers_line(strategy, savers: frozenset[str] | None = None) -> str:
-    """The memory savers an estimate models (all implemented by the runtime) and those it leaves out;
-    ``savers``: DeepSeek-V3's activation savers the estimate counted (default: those active now)."""
-    parts = [RECOMPUTE_SAVERS[strategy.recompute]]
+def savers_line(strategy, family: PlannedFamily, savers: frozenset[str] | None = None) -> str:
+    """The memory savers an estimate models (all implemented by the runtime) and those it leaves out, in the
+    planned ``family``'s terms (its own activation savers, ``planner/families.py``); ``savers``: the
+    activation savers the estimate counted (default: those active now)."""
+    parts = [recompute_line(strategy.recompute, family)]
     if strategy.dtype == "fp8":
         parts.append("FP8-cached inputs of the FP8 linears (FP8Linear: E4M3 + 1x128 scales, the experts' inputs "
                      "after dispatch included; one copy per linear, one per SwiGLU), FP8 dispatch, the FP8 weight "
                      "copies in 'weights', BF16 Adam moments")
-    on = active_savers() if savers is None else savers
-    off = "off (--memory-savers all turns them on: " + ", ".join(SAVERS) + ")"
-    parts.append("DeepSeek-V3's activation savers " + (", ".join(sorted(on)) if on else off))
+    on = [s for s in family.savers if s in (active_savers() if savers is None else savers)]
+    off = "off (--memory-savers all turns them on: " + ", ".join(family.savers) + ")"
+    parts.append(f"{family.owner} activation savers " + (", ".join(sorted(on)) if on else off))
     return "memory savers modelled (all in the runtime): " + "; ".join(parts) + "."
 
 
@@ -117,7 +120,7 @@ def print_plan(result: PlanResult, top: int = 10, console: Console | None = None
                           f"mbs{s.micro_batch_size} {s.dtype} recompute {s.recompute}: weights {m['weights']:.1f} + "
                           f"grads {m['gradients']:.1f} + optimizer {m['optimizer']:.1f} + activations "
                           f"{m['activations']:.1f} = {m['total']:.1f} GB per GPU")
-            console.print(savers_line(s, result.memory_savers))
+            console.print(savers_line(s, family_of(result.model), result.memory_savers), soft_wrap=True)
     else:
         console.print(plan_table(result, top))
         console.print(f"{len(result.ranked)} configurations fit, {len(result.rejected)} exceed the memory, "
@@ -128,7 +131,7 @@ def print_plan(result: PlanResult, top: int = 10, console: Console | None = None
         shown = result.reference or result.ranked[0]
         for line in memory_lines(shown):
             console.print(line, highlight=False, markup=False)
-        console.print(savers_line(shown.strategy, result.memory_savers))
+        console.print(savers_line(shown.strategy, family_of(result.model), result.memory_savers), soft_wrap=True)
     if result.verdict:
         console.print(result.verdict)
 

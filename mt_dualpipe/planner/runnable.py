@@ -1,8 +1,8 @@
 """What the runtime can launch today, and the launch knobs of a planned configuration.
 
 The planner models more than the runtime runs: it could model tensor parallelism, which the
-runtime does not launch. Recompute none / selective / full is applied by the DeepSeek-V3 and Llama
-families when their stages are built (``models/recompute.py``), so every policy the planner
+runtime does not launch. Recompute none / selective / full is applied by every family's stages when
+they are built (``models/recompute.py``), so every policy the planner
 estimates is runnable. A configuration is offered as *runnable* only when
 every knob it needs is one the runtime has; otherwise it carries the reasons, so ``mt-dualpipe
 plan`` marks it (or leaves it out with ``--runnable-only``) instead of recommending what cannot be
@@ -16,14 +16,17 @@ planner counts data parallelism Megatron's way (its ``dp`` includes the expert-p
 the mesh counts full-model replicas, so ``launch["dp"] = strategy.dp // strategy.ep`` and
 ``pp * dp * ep * tp`` is the GPU count (``parallel/mesh.py`` explains both conventions).
 
-``demo_command(launch)`` turns that tuple into a command line for ``examples/deepseek_v3_repro.py``
-(``--pp --dp --ep --dp-mode --schedule --microbatches --recompute``, and a deep miniature's
-``--layers --vocab-size --seq-len --steps``): the planned layout in miniature, the tiny DeepSeek-V3
-preset on local gloo processes (``mt-dualpipe plan`` prints it for the best runnable row and puts it
-in the JSON). The miniature runs at pp 2 by default; ``miniature(..., keep_pp=True)`` keeps the
-plan's pp, one process per pipeline rank, at small sizes, with the tiny preset deepened to the
-fewest layers whose balanced cut gives every stage a block (``stage_fill.layers_to_fill``: 4 layers
-cannot fill DualPipe's 8 stages; with a recompute policy the first stage needs one too).
+``demo_command(launch, family)`` turns that tuple into a command line for the planned family's example
+(``planner/families.py``): ``examples/deepseek_v3_repro.py`` for DeepSeek-V3, ``examples/train_family.py
+--family MODEL_TYPE`` for a family on the shared decoder stages (Qwen3-MoE, Llama), with ``--pp --dp --ep
+--dp-mode --schedule --microbatches --recompute`` and a miniature's ``--layers --vocab-size --seq-len --steps``:
+the planned layout in miniature, the family's own tiny preset on local gloo processes (``mt-dualpipe plan``
+prints it for the best runnable row and puts it in the JSON). Where the example cannot take a knob
+(``command_refusal``) there is no command, and the plan says why. The miniature runs at pp 2 by default;
+``miniature(..., keep_pp=True)`` keeps the plan's pp, one process per pipeline rank, at small sizes, with the
+tiny preset deepened to the fewest layers that give every stage a block (DeepSeek-V3:
+``stage_fill.layers_to_fill``, 4 layers cannot fill DualPipe's 8 stages, and with a recompute policy the first
+stage needs one too; the shared decoder stages: one layer per stage of a chain).
 Tensor parallelism is refused for MoE models: the runtime's tensor-parallel stages are dense ones
 (the DeepSeek-V3 stages shard experts over ep only).
 """
@@ -34,6 +37,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
+from .families import DEEPSEEK_V3, FAMILY_EXAMPLE, PlannedFamily
 from .model import ModelSpec
 from .stage_fill import layers_to_fill, placement_of, runs_at
 from .strategy import Strategy, schedule_options
@@ -44,7 +48,7 @@ RUNTIME_TP: tuple[int, ...] = (1,)
 """Tensor-parallel sizes the launch path runs. The planner estimates any tp (Megatron-style, with sequence
 parallelism); the runtime's tensor-parallel stages (``parallel/tensor_parallel.py``: dense Llama blocks,
 no sequence parallelism, data-parallel modes whose ``tensor_parallel`` flag is set) are not reached by
-the launch path the plan prints (the DeepSeek-V3 demo), so a tp > 1 layout is estimated and marked, not
+the launch path the plan prints (the families' examples), so a tp > 1 layout is estimated and marked, not
 offered."""
 
 
@@ -86,23 +90,44 @@ def launch(strategy: Strategy, memory_savers: Iterable[str] = ()) -> dict:
             "memory_savers": ",".join(sorted(memory_savers)) or "none"}
 
 
-DEMO = "examples/deepseek_v3_repro.py"
-"""The demo ``demo_command`` launches (the DeepSeek-V3 miniature)."""
+DEMO = DEEPSEEK_V3.example
+"""The DeepSeek-V3 demo (its miniature); every other family runs in ``families.FAMILY_EXAMPLE``."""
 
 
-def demo_command(launch: dict, python: str = "python") -> str | None:
-    """The demo's command line for a ``launch`` tuple, or None when the demo cannot take one of its knobs
-    (tensor parallelism, or schedule options other than interleaved-1f1b's virtual stages, such as a
-    searched ``auto`` schedule's placement)."""
+def command_refusal(launch: dict, family: PlannedFamily = DEEPSEEK_V3) -> str | None:
+    """Why ``family``'s example cannot take ``launch`` (None when it can): a model with no family the runtime
+    builds, tensor parallelism, schedule options other than interleaved-1f1b's virtual stages (a searched
+    ``auto`` schedule's placement), fully_shard-ed stages for DeepSeek-V3 (its experts and dense weights reduce
+    over different groups, which one fully_shard mesh cannot express)."""
+    if family.example is None:
+        return (f"{family.title} is not one of the families the runtime builds (plan a family's preset or "
+                "config.json, or deepseek-v3)")
     options = dict(launch.get("schedule_options") or {})
-    virtual = options.pop("virtual_stages", None)
-    if launch["tp"] != 1 or options or DP_MODES[launch["dp_mode"]].needs_fully_shard:
-        return None  # the demo's DeepSeek-V3 stages are not fully_shard-ed
-    words = [python, DEMO, "--pp", launch["pp"], "--dp", launch["dp"], "--ep", launch["ep"],
-             "--dp-mode", launch["dp_mode"], "--schedule", launch["schedule"]]
+    options.pop("virtual_stages", None)
+    if launch["tp"] != 1:
+        return f"tp {launch['tp']}: {family.example} runs no tensor-parallel stages"
+    if options:
+        return f"schedule options {options} (a searched schedule's placement) are not options of {family.example}"
+    if DP_MODES[launch["dp_mode"]].needs_fully_shard and family is DEEPSEEK_V3:
+        return f"dp_mode {launch['dp_mode']!r}: the DeepSeek-V3 demo's stages are not fully_shard-ed"
+    return None
+
+
+def demo_command(launch: dict, family: PlannedFamily = DEEPSEEK_V3, python: str = "python") -> str | None:
+    """The command line of ``family``'s example for a ``launch`` tuple (DeepSeek-V3: ``DEMO``; any other family:
+    ``families.FAMILY_EXAMPLE --family MODEL_TYPE``), or None where ``command_refusal`` gives a reason. The core
+    attention travels only to a family whose modules offer a choice of it (DeepSeek-V3's flash-style MLA core)."""
+    if command_refusal(launch, family) is not None:
+        return None
+    words: list = [python, family.example]
+    if family.example == FAMILY_EXAMPLE:
+        words += ["--family", family.model_type]
+    words += ["--pp", launch["pp"], "--dp", launch["dp"], "--ep", launch["ep"], "--dp-mode", launch["dp_mode"],
+              "--schedule", launch["schedule"]]
     if launch.get("microbatches"):
         words += ["--microbatches", launch["microbatches"]]
     words += ["--recompute", launch["recompute"]]
+    virtual = (launch.get("schedule_options") or {}).get("virtual_stages")
     if virtual is not None:
         words += ["--virtual-stages", virtual]
     for key in ("layers", "vocab_size", "seq_len", "steps"):  # a miniature's sizes (``miniature(keep_pp=True)``)
@@ -110,7 +135,7 @@ def demo_command(launch: dict, python: str = "python") -> str | None:
             words += [f"--{key.replace('_', '-')}", launch[key]]
     if launch.get("micro_batch_size"):
         words += ["--micro-batch-size", launch["micro_batch_size"]]
-    if launch.get("core_attention", "eager") != "eager":
+    if family.flash_core and launch.get("core_attention", "eager") != "eager":
         words += ["--core-attention", launch["core_attention"]]
     if launch.get("memory_savers", "none") != "none":
         words += ["--memory-savers", launch["memory_savers"]]
@@ -126,7 +151,7 @@ TINY_DEEPSEEK: dict[str, int] = dict(
 """The shape of the demo's ``tiny`` DeepSeek-V3 preset (``DeepSeekV3Config.preset("tiny")``, which the planner
 cannot import without torch; a test holds the two equal): what the miniature's stage cut is modelled on."""
 TINY_EXPERTS = TINY_DEEPSEEK["n_routed_experts"]
-"""Routed experts of the tiny preset: the miniature's ep divides them."""
+"""Routed experts of the tiny preset: the miniature's ep divides them (``families.DEEPSEEK_V3.tiny_experts``)."""
 DEEP_MINIATURE: dict[str, int] = {"micro_batch_size": 1, "seq_len": 16, "vocab_size": 128, "steps": 20}
 """The demo's sizes for a miniature at the plan's own pp (``miniature(keep_pp=True)``): one 16-token sequence per
 micro-batch over a 128-token vocabulary, 20 steps, 2 x pp micro-batches where the schedule takes that many, so
@@ -141,33 +166,41 @@ def tiny_spec(layers: int, vocab_size: int | None = None) -> ModelSpec:
     return ModelSpec.from_deepseek_config(SimpleNamespace(**shape))
 
 
-def miniature(launch: dict, experts: int = TINY_EXPERTS, keep_pp: bool = False) -> dict:
-    """``launch`` shrunk to the demo's tiny DeepSeek-V3 on local processes: the same schedule, schedule options,
+def miniature(launch: dict, family: PlannedFamily = DEEPSEEK_V3, keep_pp: bool = False,
+              experts: int | None = None) -> dict:
+    """``launch`` shrunk to ``family``'s tiny preset on local processes: the same schedule, schedule options,
     data-parallel mode, recompute policy, core attention and savers, on pp 2 and at most ``MINIATURE_PROCESSES``
-    ranks (ep: the largest divisor of the preset's ``experts`` up to the plan's ep and what pp leaves; dp: what
-    is left), with the demo's own micro-batch count and size. What the plan's layout means at scale is the
-    launch tuple; this is the same program at a size that runs here.
+    ranks (ep: the largest divisor of the preset's routed experts, ``experts`` if given, up to the plan's ep and
+    what pp leaves; 1 for a dense family; dp: what is left), with the example's own micro-batch count and size.
+    What the plan's layout means at scale is the launch tuple; this is the same program at a size that runs here.
 
     ``keep_pp``: at the plan's own pp instead (dp and ep 1 once pp reaches ``MINIATURE_PROCESSES``), at the
-    sizes of ``DEEP_MINIATURE`` and 2 x pp micro-batches (the fewest ZB-V, DualPipe and DualPipeV take), the
-    preset deepened (``"layers"``) to the fewest blocks whose balanced cut at those sizes gives every stage one
-    (``stage_fill.layers_to_fill``, the first stage included under a recompute policy); the preset's own depth
-    where it already does."""
+    sizes of ``DEEP_MINIATURE`` and 2 x pp micro-batches (the fewest ZB-V, DualPipe and DualPipeV take).
+    DeepSeek-V3's preset is deepened (``"layers"``) to the fewest blocks whose balanced cut at those sizes gives
+    every stage one (``stage_fill.layers_to_fill``, the first stage included under a recompute policy); a family
+    on the shared decoder stages, cut evenly (``models/decoder_stage.py``: ``stage_layer_ids``), to one layer per
+    stage of a chain wherever its preset has fewer, at pp 2 as well."""
+    experts = family.tiny_experts if experts is None else experts
     pp = launch["pp"] if keep_pp else 2
     room = max(1, MINIATURE_PROCESSES // pp)
-    ep = max(d for d in range(1, min(launch["ep"], room) + 1) if experts % d == 0)
+    ep = max(d for d in range(1, min(launch["ep"], room) + 1) if max(experts, 1) % d == 0)
     dp = max(1, min(launch["dp"], room // ep))
     out = {**launch, "pp": pp, "dp": dp, "ep": ep, "microbatches": None, "micro_batch_size": None, "layers": None}
     if keep_pp:
         out.update(DEEP_MINIATURE)
         if runs_at(launch["schedule"], pp, launch.get("schedule_options"), 2 * pp):
             out["microbatches"] = 2 * pp
-        placement = placement_of(launch["schedule"], pp, launch.get("schedule_options"))
-        if placement is not None:
-            layers = layers_to_fill(lambda k: tiny_spec(k, DEEP_MINIATURE["vocab_size"]), placement,
-                                    DEEP_MINIATURE["seq_len"], least=TINY_DEEPSEEK["n_layers"],
-                                    first=launch["recompute"] != "none")
-            out["layers"] = layers if layers != TINY_DEEPSEEK["n_layers"] else None
+    placement = placement_of(launch["schedule"], pp, launch.get("schedule_options"))
+    if placement is None:
+        return out
+    if family is not DEEPSEEK_V3:
+        layers = max(family.tiny_layers, len(placement[0]))
+        out["layers"] = layers if layers != family.tiny_layers else None
+    elif keep_pp:
+        layers = layers_to_fill(lambda k: tiny_spec(k, DEEP_MINIATURE["vocab_size"]), placement,
+                                DEEP_MINIATURE["seq_len"], least=TINY_DEEPSEEK["n_layers"],
+                                first=launch["recompute"] != "none")
+        out["layers"] = layers if layers != TINY_DEEPSEEK["n_layers"] else None
     return out
 
 

@@ -40,7 +40,7 @@ class PlanResult:
     reference: Estimate | None = None            # the model's published configuration, when it has one
     reference_rank: int | None = None
     verdict: str = ""
-    memory_savers: frozenset[str] = frozenset()  # DeepSeek-V3's activation savers the estimates counted
+    memory_savers: frozenset[str] = frozenset()  # the activation savers the estimates counted (the family's)
 
     def to_dict(self, top: int = 20) -> dict:
         return {"format": "mt-dualpipe.plan/1", "model": self.model.name, "system": self.system.name,

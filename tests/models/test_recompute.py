@@ -103,6 +103,14 @@ def test_unknown_policy_is_refused():
         apply_recompute(torch.nn.Linear(2, 2), "full")
 
 
+def test_selective_with_the_savers_that_already_rebuild_its_regions_is_no_error():
+    """The "attention" and "swiglu" savers rebuild in B what "selective" would: a stage built with both has
+    declaring layers but no region left for the policy, and builds (what a plan counting the savers launches)."""
+    config = llama_config().replace(memory_savers="attention,swiglu")
+    stages = llama_stages(config, 2, recompute="selective")
+    assert all(st.recompute_policy == "selective" and not st.recompute_calls for st in stages)
+
+
 # ----- 2 gloo ranks ------------------------------------------------------------------------------------------
 def _pipeline_worker(rank, world, kind, schedule, num_mb):
     from mt_dualpipe import DualPipe, Pipeline
