@@ -39,14 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mt_dualpipe  # noqa: E402
 from mt_dualpipe.layers.savers import parse_memory_savers  # noqa: E402
 from mt_dualpipe.models.recompute import POLICIES  # noqa: E402
-from mt_dualpipe.models.registry import FAMILIES  # noqa: E402
+from mt_dualpipe.models.registry import (
+    FAMILIES,  # noqa: E402
+    planned_families,  # noqa: E402
+)
 from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
 from mt_dualpipe.parallel.modes import DP_MODES  # noqa: E402
-from mt_dualpipe.planner.families import FAMILY_EXAMPLE, FAMILY_FACTS  # noqa: E402
+from mt_dualpipe.planner.families import FAMILY_EXAMPLE  # noqa: E402
 from mt_dualpipe.schedules import ScheduleError, build_schedule, schedule_info  # noqa: E402
 
-RUNS = tuple(t for t, f in FAMILY_FACTS.items() if f.example == FAMILY_EXAMPLE)
-"""The families this example trains: those whose plans print it (``planner.families.FAMILY_FACTS``)."""
+RUNS = tuple(t for t, f in planned_families().items() if f.example == FAMILY_EXAMPLE)
+"""The families this example trains: those whose plans print it (``models.registry``: ``Family.planned``)."""
 STRIDES = (1, 2, 3)
 """The synthetic task's strides: a sequence is ``start + stride * i`` modulo the vocabulary."""
 

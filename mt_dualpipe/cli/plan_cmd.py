@@ -8,9 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..models.planner_specs import planner_model, planner_names
+from ..models.registry import planned_families
 from ..planner import ModelSpec, plan
 from ..planner.activations import memory_savers
-from ..planner.families import FAMILY_FACTS, PlannedFamily, family_of
+from ..planner.families import PlannedFamily, family_of
 from ..planner.report import print_plan
 from ..planner.runnable import ZERO_STAGES, command_refusal, demo_command, launch, miniature, zero_from_config
 from ..planner.search import PlanResult
@@ -89,8 +90,8 @@ def register(subparsers) -> None:
                         "(layers/savers.py): 'auto' (default: none, or all of them when nothing fits without them on "
                         "a model whose modules have them), 'all' (the family's), 'none' or a comma-separated subset "
                         "of the family's: "
-                        + "; ".join(f"{f.title} {', '.join(f.savers)}" for f in FAMILY_FACTS.values())
-                        + " (planner/families.py)")
+                        + "; ".join(f"{f.title} {', '.join(f.savers)}" for f in planned_families().values())
+                        + " (models/registry.py)")
     p.set_defaults(func=cmd_plan)
 
 

@@ -6,7 +6,7 @@ A family with a ``spec.py`` gives the planner its ``planner_spec(config)``, whos
 from the modules' ``saved_per_token`` declarations (with the config's ``memory_savers`` on); DeepSeek-V3 is
 described by ``ModelSpec.from_deepseek_config``, whose saved bytes follow ``planner/activations.py``. The family
 is imported only when asked for (its declarations are read from layers built on the meta device), so planning a
-JSON model loads no model code. The spec names its family (``ModelSpec.family``: the ``model_type``), so the
+JSON model loads no model code. The spec carries its family's ``Family.planned`` (``ModelSpec.facts``), so the
 plan speaks of that family's modules and prints a miniature of its own tiny preset (``planner/families.py``).
 """
 
@@ -61,13 +61,13 @@ def planner_model(name: str, memory_savers: str | frozenset[str] = frozenset()) 
     """The planner's model for a family preset named ``name`` (case-insensitive) or a family's Hugging Face
     ``config.json`` (the file or its folder), with ``memory_savers`` on; None when neither (the caller then
     reads a bundled or SimuMax JSON)."""
-    for model_type, entry in FAMILIES.items():
+    for entry in FAMILIES.values():
         for known in entry.planner_names:
             if known.name == name.lower():
                 config = entry.load(entry.config_class).preset(known.preset, memory_savers=memory_savers)
                 spec = _spec(entry, config)
                 return PlannedModel(dataclasses.replace(
-                    spec, name=known.plan_name, family=model_type,
+                    spec, name=known.plan_name, facts=entry.planned,
                     source=f"{entry.module} preset {known.preset!r}, declared saved bytes"))
     path = _config_path(name)
     if path is None:
@@ -84,4 +84,4 @@ def planner_model(name: str, memory_savers: str | frozenset[str] = frozenset()) 
             f"{', '.join(read)}; ignored (no effect on the plan's cost): {', '.join(ignored) or 'none'}")
     name_of = str(data.get("_name_or_path") or (path.parent.name if path.name == "config.json" else path.stem))
     return PlannedModel(dataclasses.replace(spec, name=name_of, source=f"{path.name} via {entry.config_class}",
-                                            family=str(data["model_type"])), note)
+                                            facts=entry.planned), note)

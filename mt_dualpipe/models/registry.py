@@ -8,7 +8,8 @@ table is looked up first.
 
 A family is registered by ``model_type`` -> ``Family`` (its package, model class and config class, the names
 ``mt-dualpipe plan --model`` knows its presets by, and the Hugging Face config keys that shape the planner's
-model) and imported only when asked for, so loading a Qwen3-MoE checkpoint never imports DeepSeek-V3 and vice
+model, and what a plan says of the family: ``planned``, a ``planner.families.PlannedFamily``) and imported
+only when asked for, so loading a Qwen3-MoE checkpoint never imports DeepSeek-V3 and vice
 versa. The model class offers ``from_pretrained(path, **kwargs)`` (and ``save_pretrained`` back to the same
 layout); the config class ``preset(name, **overrides)`` and ``from_hf(data, **overrides)``.
 """
@@ -21,6 +22,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..planner.families import (
+    DEEPSEEK_V3,
+    FAMILY_EXAMPLE,
+    SHARED_SAVERS,
+    SHARED_SELECTIVE,
+    PlannedFamily,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Family:
     config_class: str  # ``preset(name, **overrides)`` and ``from_hf(data, **overrides)``
     planner_names: tuple[PlannerName, ...] = ()
     cost_keys: tuple[str, ...] = ()  # config.json keys the planner's model is built from (sizes and counts)
+    planned: PlannedFamily | None = None  # what a plan says of the family (None: the planner does not take it)
 
     def load(self, attr: str) -> Any:
         return getattr(importlib.import_module(self.module), attr)
@@ -52,17 +62,32 @@ FAMILIES: dict[str, Family] = {
                         (PlannerName("qwen3-moe", "30b-a3b", "qwen3_30b_a3b"),
                          PlannerName("qwen3-30b-a3b", "30b-a3b", "qwen3_30b_a3b")),
                         _GQA_KEYS + ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
-                                     "decoder_sparse_step", "mlp_only_layers")),
+                                     "decoder_sparse_step", "mlp_only_layers"),
+                        PlannedFamily("qwen3_moe", "Qwen3-MoE",
+                                      "layers/moe.py: the Experts of models/qwen3_moe/model.py's MoE blocks, this "
+                                      "rank's share over its ep group",
+                                      "its modules' saved_per_token declarations, models/qwen3_moe/spec.py",
+                                      SHARED_SELECTIVE, ("norm", "swiglu", "combine", "attention", "loss"),
+                                      example=FAMILY_EXAMPLE, tiny_experts=4, tiny_layers=4)),
     "llama": Family("mt_dualpipe.models.llama", "LlamaForCausalLM", "LlamaConfig",
                     (PlannerName("llama3-8b", "8b", "llama3_8b"), PlannerName("llama-3.1-8b", "8b", "llama3_8b")),
-                    _GQA_KEYS),
+                    _GQA_KEYS,
+                    PlannedFamily("llama", "Llama", "",
+                                  "its modules' saved_per_token declarations, models/llama/spec.py", SHARED_SELECTIVE,
+                                  SHARED_SAVERS, example=FAMILY_EXAMPLE, tiny_layers=4)),
     "deepseek_v3": Family("mt_dualpipe.models.deepseek_v3", "DeepSeekV3Model", "DeepSeekV3Config", (),
                           ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                            "num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "n_routed_experts",
                            "n_shared_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank",
-                           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers")),
+                           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers"),
+                          DEEPSEEK_V3),
     "llava": Family("mt_dualpipe.models.llava", "LlavaForConditionalGeneration", "LlavaConfig"),
 }
+
+
+def planned_families() -> dict[str, PlannedFamily]:
+    """``model_type`` -> what a plan says of the family, for every family the planner takes."""
+    return {t: f.planned for t, f in FAMILIES.items() if f.planned is not None}
 
 
 ADAPTER = Family("mt_dualpipe.models.transformers_adapter", "AdaptedCausalLM", "AdaptedConfig")

@@ -2,13 +2,14 @@
 where its saved bytes come from, what its selective recompute rebuilds, the activation savers its modules
 have, and the example whose tiny preset runs the plan's miniature.
 
-The planner sits below ``models`` in the layer order and runs without torch, so it cannot ask a family; the
-facts are written here once, keyed by ``model_type``, and tests hold them to the families
-(``tests/planner/test_family_facts.py``: the tiny presets' shapes, and that a saver listed for a family changes
-what its model keeps while every other saver does not). A ``ModelSpec`` names its family
-(``ModelSpec.family``, set by ``models/planner_specs.py``); a description read from JSON has none and is
-DeepSeek-V3's when its attention is MLA (the one family with MLA), else ``DESCRIPTION``: a model the runtime
-has no family for, planned with the shared modules' formulas and given no miniature.
+The planner sits below ``models`` in the layer order and runs without torch, so it cannot ask a family: each
+family's entry in the one registry (``models/registry.py``: ``Family.planned``) holds its ``PlannedFamily``, and
+``models/planner_specs.py`` puts it on the ``ModelSpec`` it builds (``ModelSpec.facts``). Tests hold them to the
+families (``tests/planner/test_family_facts.py``: the tiny presets' shapes, and that a saver listed for a family
+changes what its model keeps while every other saver does not). Only what a description read from JSON needs
+lives here: DeepSeek-V3's facts (the bundled DeepSeek-V3 model is such a description, with MLA attention) and
+``DESCRIPTION``, a model the runtime has no family for, planned with the shared modules' formulas and given no
+miniature.
 """
 
 from __future__ import annotations
@@ -74,18 +75,6 @@ DEEPSEEK_V3 = PlannedFamily(
     "q, k, v rebuilt from the MLA latents in B (their RMSNorms and the up-projections)", SAVERS,
     example="examples/deepseek_v3_repro.py", tiny_experts=16, tiny_layers=4, flash_core=True)
 
-FAMILY_FACTS: dict[str, PlannedFamily] = {f.model_type: f for f in (
-    DEEPSEEK_V3,
-    PlannedFamily("qwen3_moe", "Qwen3-MoE",
-                  "layers/moe.py: the Experts of models/qwen3_moe/model.py's MoE blocks, this rank's share over its "
-                  "ep group", "its modules' saved_per_token declarations, models/qwen3_moe/spec.py", SHARED_SELECTIVE,
-                  ("norm", "swiglu", "combine", "attention", "loss"), example=FAMILY_EXAMPLE, tiny_experts=4,
-                  tiny_layers=4),
-    PlannedFamily("llama", "Llama", "", "its modules' saved_per_token declarations, models/llama/spec.py",
-                  SHARED_SELECTIVE, SHARED_SAVERS, example=FAMILY_EXAMPLE, tiny_layers=4),
-)}
-"""The families the planner describes (those ``models/registry.py`` gives planner names, and DeepSeek-V3)."""
-
 DESCRIPTION = PlannedFamily(
     "", "model description", "the rank's experts, sharded over its ep group", "planner/activations.py",
     "the core attention and the SwiGLU product", tuple(s for s in SAVERS if s != "mla_input"))
@@ -94,12 +83,9 @@ only MLA has), and no example to run it in miniature."""
 
 
 def family_of(model: ModelSpec) -> PlannedFamily:
-    """The family ``model`` describes: its own (``ModelSpec.family``), DeepSeek-V3 for an MLA description, else
-    ``DESCRIPTION``. A family the table does not know is refused by name (a registry entry added without its
-    facts here)."""
-    if model.family:
-        if model.family not in FAMILY_FACTS:
-            raise ScheduleError(f"the planner has no description of family {model.family!r} (planner/families.py "
-                                f"knows {', '.join(sorted(FAMILY_FACTS))})")
-        return FAMILY_FACTS[model.family]
+    """The family ``model`` describes: its own (``ModelSpec.facts``, from its entry in ``models/registry.py``),
+    DeepSeek-V3 for a description with MLA attention (the one family with MLA; the bundled DeepSeek-V3 model is
+    such a description), else ``DESCRIPTION``."""
+    if model.facts is not None:
+        return model.facts
     return DEEPSEEK_V3 if model.attention_type == "mla" else DESCRIPTION

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..schedules.errors import ScheduleError
 from .activations import (
@@ -44,6 +45,9 @@ from .activations import (
     moe_w_held,
     mtp_extra_saved,
 )
+
+if TYPE_CHECKING:  # families.py reads ModelSpec: only the annotation here
+    from .families import PlannedFamily
 
 MODELS_DIR = Path(__file__).parent / "models"
 MODEL_ALIASES = {"deepseek-v3": "deepseek_v3_671b", "deepseek-v3-671b": "deepseek_v3_671b",
@@ -139,10 +143,11 @@ class ModelSpec:
     max_routed_nodes: int = 0
     training: dict = field(default_factory=dict)
     source: str = ""  # the file (or bundled model) it was read from, for titles and messages
-    # The ``model_type`` of the family whose modules this describes (``models/planner_specs.py`` sets it; "" for a
-    # description read from JSON): what the plan says the memory terms are kept by, which activation savers it
-    # offers and which example runs its miniature (``planner/families.py``).
-    family: str = ""
+    # What the plan says of the family whose modules this describes: the code that keeps the memory terms, the
+    # activation savers it offers, the example that runs its miniature (``planner/families.PlannedFamily``; the
+    # family's entry in ``models/registry.py`` holds it and ``models/planner_specs.py`` sets it; None for a
+    # description read from JSON, ``families.family_of`` then says which).
+    facts: PlannedFamily | None = field(default=None, compare=False)
     # A family's own account of what its layers keep: (kind "dense"/"moe", recompute policy, seq) -> saved
     # elements per token, from the modules' ``saved_per_token`` declarations (``mt_dualpipe/layers``).
     # When given it replaces ``planner/activations.py``'s description of the layer's saved bytes, so the
@@ -158,7 +163,7 @@ class ModelSpec:
     def fields(cls) -> list[str]:
         """The model keys a description may give (SimuMax's names), besides ``DESCRIPTIVE_KEYS``."""
         return [f for f in cls.__dataclass_fields__
-                if f not in ("name", "source", "family", "declared_saved", "score_bytes")]
+                if f not in ("name", "source", "facts", "declared_saved", "score_bytes")]
 
     @classmethod
     def canonical(cls, data: dict, where: str = "model description") -> dict:
@@ -234,15 +239,14 @@ class ModelSpec:
                    moe_shared_expert_intermediate_size=cfg.moe_inter_dim * cfg.n_shared_experts,
                    attention_type="mla", q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                    qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
-                   v_head_dim=cfg.v_head_dim, mtp_depth=cfg.mtp_depth, family="deepseek_v3")
+                   v_head_dim=cfg.v_head_dim, mtp_depth=cfg.mtp_depth)
 
     @classmethod
     def from_llama_config(cls, cfg: object) -> ModelSpec:
         """From ``mt_dualpipe.models.llama.LlamaConfig`` (duck-typed, no torch import)."""
         return cls(name="llama", hidden_size=cfg.hidden_size, head_num=cfg.num_attention_heads,
                    layer_num=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, intermediate_size=cfg.intermediate_size,
-                   attention_type="gqa", kv_head_num=cfg.num_key_value_heads, head_size=cfg.dim_per_head,
-                   family="llama")
+                   attention_type="gqa", kv_head_num=cfg.num_key_value_heads, head_size=cfg.dim_per_head)
 
     # ----- shapes ---------------------------------------------------------------------------------
     @property

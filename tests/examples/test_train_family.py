@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from mt_dualpipe.cli import main
-from mt_dualpipe.planner.families import FAMILY_EXAMPLE, FAMILY_FACTS
+from mt_dualpipe.models.registry import planned_families
+from mt_dualpipe.planner.families import FAMILY_EXAMPLE
 from mt_dualpipe.planner.runnable import miniature
 from tests.helpers.family_configs import QWEN3_235B, write_config
+
+PLANNED = planned_families()
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = {
@@ -56,7 +59,7 @@ def test_the_printed_miniature_names_the_family_and_parses_as_the_layout(best, f
     words = shlex.split(entry["miniature"])
     assert words[:4] == ["python", FAMILY_EXAMPLE, "--family", family]
     args = _example().parse_args(words[2:])  # the example's own checks: mesh, mode, experts, schedule, depth
-    small = miniature(entry["launch"], FAMILY_FACTS[family])
+    small = miniature(entry["launch"], PLANNED[family])
     assert args.family == family
     assert {k: getattr(args, k) for k in ("pp", "dp", "ep", "dp_mode", "schedule", "recompute")} == \
         {k: small[k] for k in ("pp", "dp", "ep", "dp_mode", "schedule", "recompute")}

@@ -10,29 +10,31 @@ import pytest
 import torch
 
 from mt_dualpipe.layers.savers import MEMORY_SAVERS
-from mt_dualpipe.models.registry import FAMILIES
+from mt_dualpipe.models.registry import FAMILIES, planned_families
 from mt_dualpipe.planner import ModelSpec
 from mt_dualpipe.planner.activations import SAVERS
-from mt_dualpipe.planner.families import DEEPSEEK_V3, DESCRIPTION, FAMILY_EXAMPLE, FAMILY_FACTS, family_of
+from mt_dualpipe.planner.families import DEEPSEEK_V3, DESCRIPTION, FAMILY_EXAMPLE, family_of
 from mt_dualpipe.planner.runnable import command_refusal, demo_command, miniature
 from mt_dualpipe.schedules.errors import ScheduleError
+
+PLANNED = planned_families()
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_planned_family_has_a_row_and_every_row_a_family():
     planned = {t for t, f in FAMILIES.items() if f.planner_names} | {"deepseek_v3"}
-    assert set(FAMILY_FACTS) == planned
-    for family in FAMILY_FACTS.values():
+    assert set(PLANNED) == planned
+    for family in PLANNED.values():
         assert (ROOT / family.example).is_file()
         assert set(family.savers) <= set(MEMORY_SAVERS)
         assert list(family.savers) == [s for s in MEMORY_SAVERS if s in family.savers]  # SAVERS order
     assert SAVERS == MEMORY_SAVERS and DEEPSEEK_V3.savers == MEMORY_SAVERS
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_FACTS))
+@pytest.mark.parametrize("model_type", sorted(PLANNED))
 def test_the_tiny_preset_is_the_rows(model_type):
-    entry, family = FAMILIES[model_type], FAMILY_FACTS[model_type]
+    entry, family = FAMILIES[model_type], PLANNED[model_type]
     tiny = entry.load(entry.config_class).preset("tiny")
     experts = getattr(tiny, "num_experts", getattr(tiny, "n_routed_experts", 0))
     layers = getattr(tiny, "num_hidden_layers", getattr(tiny, "n_layers", None))
@@ -57,17 +59,17 @@ def _saved_bytes(model_type: str, savers: frozenset[str]) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("model_type", [t for t, f in FAMILY_FACTS.items() if f.example == FAMILY_EXAMPLE])
+@pytest.mark.parametrize("model_type", [t for t, f in PLANNED.items() if f.example == FAMILY_EXAMPLE])
 def test_a_familys_savers_are_those_that_change_what_its_model_keeps(model_type):
     """A saver the row lists keeps less; every other saver is a switch the family's modules never read, so the
     plan must not offer it (Qwen3-MoE's router keeps nothing more anyway; only MLA has an input to share)."""
     plain = _saved_bytes(model_type, frozenset())
     changes = {s for s in MEMORY_SAVERS if _saved_bytes(model_type, frozenset({s})) != plain}
-    assert changes == set(FAMILY_FACTS[model_type].savers)
+    assert changes == set(PLANNED[model_type].savers)
 
 
 def test_the_plans_savers_are_the_familys():
-    qwen = FAMILY_FACTS["qwen3_moe"]
+    qwen = PLANNED["qwen3_moe"]
     assert qwen.memory_savers("all") == "norm,swiglu,combine,attention,loss"
     assert qwen.memory_savers("loss,norm") == "norm,loss" and qwen.memory_savers("none") == "none"
     assert qwen.memory_savers("auto") == "auto"
@@ -83,9 +85,10 @@ def test_a_model_names_its_family():
     assert family_of(ModelSpec.load("deepseek-v3")) is DEEPSEEK_V3  # MLA: DeepSeek-V3's modules
     dense = ModelSpec(name="gpt", hidden_size=64, head_num=4, layer_num=2, vocab_size=128, intermediate_size=256)
     assert family_of(dense) is DESCRIPTION and "mla_input" not in DESCRIPTION.savers
-    with pytest.raises(ScheduleError, match="no description of family 'llava'"):
-        family_of(ModelSpec(name="x", hidden_size=64, head_num=4, layer_num=2, vocab_size=128, intermediate_size=256,
-                            family="llava"))
+    qwen = PLANNED["qwen3_moe"]  # a family's spec carries its registry entry's facts, MLA or not
+    assert family_of(ModelSpec(name="x", hidden_size=64, head_num=4, layer_num=2, vocab_size=128,
+                               intermediate_size=256, facts=qwen)) is qwen
+    assert "llava" not in PLANNED  # the planner does not take it: no planner names, no facts
 
 
 def _launch(**kw) -> dict:
@@ -99,7 +102,7 @@ def test_a_familys_miniature_runs_its_own_example():
     """Qwen3-MoE's miniature: its 4 tiny experts bound ep, its example takes --family, and no --core-attention
     (its modules have one core); a chain longer than the preset is deep gets one layer a stage; a dense family
     keeps ep 1; fsdp runs there (dense), but no example takes tensor parallelism or a searched placement."""
-    qwen, llama = FAMILY_FACTS["qwen3_moe"], FAMILY_FACTS["llama"]
+    qwen, llama = PLANNED["qwen3_moe"], PLANNED["llama"]
     small = miniature(_launch(), qwen)
     assert (small["pp"], small["dp"], small["ep"], small["layers"]) == (2, 1, 2, None)
     assert demo_command(small, qwen) == ("python examples/train_family.py --family qwen3_moe --pp 2 --dp 1 --ep 2 "

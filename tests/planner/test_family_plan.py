@@ -12,9 +12,11 @@ import shlex
 import pytest
 
 from mt_dualpipe.cli import main
-from mt_dualpipe.planner.families import FAMILY_FACTS
+from mt_dualpipe.models.registry import planned_families
 from mt_dualpipe.planner.runnable import demo_command, miniature
 from tests.helpers.family_configs import QWEN3_235B, write_config
+
+PLANNED = planned_families()
 
 ISSUE = ["--gpus", "512", "--global-batch", "1024", "--seq-len", "4096", "--recompute", "full", "--runnable-only",
          "--pp", "16", "--top", "3"]
@@ -47,7 +49,7 @@ def test_the_qwen3_plan_talks_qwen3(qwen3_235b):
         "formula"]
     assert ("Qwen3-MoE's activation savers off (--memory-savers all turns them on: norm, swiglu, combine, attention, "
             "loss).") in out
-    qwen = FAMILY_FACTS["qwen3_moe"]
+    qwen = PLANNED["qwen3_moe"]
     assert best["miniature"] == demo_command(miniature(best["launch"], qwen), qwen)
     assert best["command"] == demo_command(best["launch"], qwen)
     assert shlex.split(best["miniature"])[1:4] == ["examples/train_family.py", "--family", "qwen3_moe"]
