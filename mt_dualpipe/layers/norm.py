@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         if self.recompute and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             out = _RecomputedRMSNorm.apply(x, self.weight, self.eps, self.fused)
             # how to rebuild this output from what the norm keeps (``rms_norm(*source)``): a reader that needs
-            # its input in B (the DeepSeek-V3 router's ``"router"`` saver) re-derives it instead of keeping it
+            # its input in B (a router's ``"router"`` saver, ``router.Router``) re-derives it instead of keeping it
             out.rms_norm_source = (x, self.weight, self.eps, self.fused)
             return out
         return rms_norm(x, self.weight, self.eps, self.fused)

@@ -92,7 +92,7 @@ def memory_terms(strategy: Strategy, stages: Sequence[Sequence[Item]], local: Se
         MemoryTerm("weights", "non-expert weights", p.dense * wb / GB, f"{b} params x {wb:g} B", stage_code),
         MemoryTerm("weights", "routed-expert weights", p.expert * wb / GB,
                    f"{e} params (experts / ep {strategy.ep}) x {wb:g} B",
-                   "the rank's experts (models/deepseek_v3/moe.py: MoE over its ep group)"),
+                   "the rank's experts (layers/moe.py: MoEBlock over its ep group)"),
     ]
     if p.fp8:
         terms.append(MemoryTerm("weights", "FP8 weight copies", p.fp8 / GB, f"{p.fp8 / 1e9:.3f} B linear params x 1 B",

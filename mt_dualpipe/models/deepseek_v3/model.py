@@ -18,11 +18,13 @@ from torch import nn
 from ...layers.common import deferred_init
 from ...layers.documents import check_document_labels, check_position_ids, document_ids
 from ...layers.head import lm_loss, step_normalizer
+from ...layers.moe import MoEBlock
+from ...layers.router import Router
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
 from .config import DeepSeekV3Config
 from .mla import MLA, RMSNorm
-from .moe import Gate, MoE, mlp
+from .moe import mlp, moe_block
 
 
 class Block(nn.Module):
@@ -35,12 +37,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.attn = MLA(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else \
+        self.ffn = moe_block(config, ep_group) if config.is_moe_layer(layer_id) else \
             mlp(config.dim, config.inter_dim, config.saves("swiglu"))
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoE)
+        return isinstance(self.ffn, MoEBlock)
 
     def attention(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # "selective" recomputes MLA.attend (mla.py) in backward; position_ids: packed documents
@@ -52,7 +54,7 @@ class Block(nn.Module):
         expert (never the router or the dispatch/combine all-to-alls)."""
         if policy == "selective":
             yield self.attn, "attend", "latent_attention"
-        elif policy == "full" and not isinstance(self.ffn, MoE):
+        elif policy == "full" and not isinstance(self.ffn, MoEBlock):
             yield self, "forward", "block"
         elif policy == "full":
             yield self, "attention", "attention"
@@ -188,7 +190,7 @@ def init_weights(module: nn.Module, std: float) -> None:
     """Normal(0, std) for every projection, embedding and gate (report §4.2), an embedding's padding row zero
     (transformers'); norms stay at one."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)) and not m.weight.is_meta:  # meta: shapes only
             nn.init.normal_(m.weight, 0.0, std)
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 with torch.no_grad():
