@@ -52,6 +52,7 @@ from .balance import (
     sequence_balance_loss,
     switch_balance_loss,
 )
+from .common import Elements, is_fp8
 from .expert_parallel import (
     DEFAULT_TIMEOUT,
     DispatchPlan,
@@ -210,18 +211,43 @@ class MoEBlock(nn.Module):
         never recomputed (they count loads and, with EP, talk to other ranks)."""
         return iter(())
 
-    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
-        """Per token: the router's, its k dispatched rows with their expert outputs, and k times one
-        expert's per-row activations (the whole subtree: ``saved_elements_per_token`` does not descend)."""
-        if policy == "full":
+    def saved_per_token(self, policy: str, seq: int, *, norm_recomputed: bool = False,
+                        experts_recomputed: bool = False) -> dict[str, float]:
+        """Per token, in activation-dtype elements (``common.Elements``): the router's input as the router and the
+        shared experts keep it (the input is a norm's output, ``norm_recomputed`` when that norm keeps only its
+        own input), the router's own tensors, the dispatch index and the dispatched rows (the experts' inputs: one
+        buffer, or each expert's E4M3 copy with FP8 linears), k times one expert's per-row activations past its
+        input and the shared experts', and the combine's: the unsort index with the weights and the gathered
+        outputs, or with ``weight_before_down`` the rows' gate weights and their index. ``"full"``: nothing (the
+        enclosing layer is recomputed and keeps its input) unless ``experts_recomputed``: then the experts and
+        the shared experts are the recomputed regions (each keeps its input as given) and the rest stays."""
+        if policy == "full" and not experts_recomputed:
             return {}
-        k = self.gate.top_k
+        e = Elements(self)
+        k, hidden = self.gate.top_k, self.gate.weight.size(1)
         expert = next(iter(self.experts.values()), None)
-        rows = sum(expert.saved_per_token(policy, seq).values()) if expert is not None else 0
-        hidden = self.gate.weight.size(1)
-        shared = sum(self.shared_experts.saved_per_token(policy, seq).values()) if self.shared_experts else 0
-        kept = {**self.gate.saved_per_token(policy, seq), "dispatched_rows": k * hidden,
-                "expert_activations": k * rows, "shared_expert": shared}
+        shared = self.shared_experts
+        kept: dict[str, float] = dict(self.gate.input_per_token(seq, norm_recomputed))
+        given = self.gate.keeps_given_input(norm_recomputed)
+        if shared is not None and (experts_recomputed or not is_fp8(shared.gate_proj)):
+            given = True  # the shared experts keep the same tensor as their input
+        elif shared is not None:
+            kept["shared_input"] = e.fp8(hidden)
+        if given:
+            kept["norm_output"] = hidden
+        kept.update(self.gate.saved_per_token(policy, seq))
+        rows = hidden if experts_recomputed or expert is None else e.linear_input(expert.gate_proj, hidden)
+        kept.update(dispatch_index=e.index(k), dispatched_rows=k * rows)
+        if not experts_recomputed:
+            inner = "none" if policy == "full" else policy
+            per_row = sum(v for n, v in expert.saved_per_token(inner, seq).items() if n != "input") if expert else 0
+            if self.weight_before_down and expert is not None and not expert.recompute_product:
+                per_row += expert.gate_proj.out_features  # the unscaled product, for the gate weight's gradient
+            kept["expert_activations"] = k * per_row
+            if shared is not None:
+                kept["shared_experts"] = sum(v for n, v in shared.saved_per_token(inner, seq).items() if n != "input")
         if self.weight_before_down:
-            return {**kept, "row_weights": k}
-        return {**kept, "expert_out": k * hidden}
+            kept.update(pair_index=e.index(k), combine_index=e.index(k), row_weights=k)
+        else:
+            kept.update(combine_index=e.index(k), weights=k, expert_out=k * hidden)
+        return kept

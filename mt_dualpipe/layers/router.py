@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .balance import bias_update, device_limited_mask
-from .common import compute_dtype
+from .common import Elements, compute_dtype
 from .norm import rms_norm
 
 SCORINGS = ("sigmoid", "softmax")
@@ -117,8 +117,34 @@ class Router(nn.Module):
         """(tokens, experts) probabilities for a balance loss (``layers.balance``); softmax scores as is."""
         return scores
 
-    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
-        return {"logits": self.num_experts, "probs": self.num_experts, "topk": 2 * self.top_k}
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """Its own tensors per token, never recomputed (the input is the MoE block's to count: other readers share
+        it): the logits and probabilities and the chosen ids; with ``upcast`` the float32 affinities, gate
+        weights, the balance losses' per-token terms and the ids the gate weights were gathered with."""
+        if not self.upcast:
+            return {"logits": self.num_experts, "probs": self.num_experts, "topk": 2 * self.top_k}
+        e = Elements(self)
+        return {"scores": e.compute(self.num_experts), "weights": e.compute(self.top_k),
+                "balance_terms": e.compute(3), "topk_index": e.index(self.top_k)}
+
+    def input_per_token(self, seq: int, norm_recomputed: bool) -> dict[str, float]:
+        """What reading its input adds per token beyond the input as given: with ``upcast`` (and without the
+        ``"router"`` saver) the compute-dtype copies of the input and, once per ``seq``-token sequence, of the
+        weight; with the saver nothing (it keeps the input as given, or rebuilds it from a recomputed norm's
+        input, ``norm_recomputed``). ``keeps_given_input`` says whether the input as given is kept."""
+        e = Elements(self)
+        if self.upcast and not self.keep_input and e.upcast:
+            return {"router_input": e.compute(self.weight.size(1)),
+                    "router_weight": e.compute(self.weight.numel()) / seq}
+        return {}
+
+    def keeps_given_input(self, norm_recomputed: bool) -> bool:
+        """Whether the input tensor itself stays alive for B because of this router."""
+        if not self.upcast:
+            return True  # F.linear keeps it
+        if self.keep_input:
+            return not norm_recomputed
+        return not Elements(self).upcast  # the compute-dtype cast of a float32 input is the input itself
 
 
 def chosen_weights(scores: torch.Tensor, indices: torch.Tensor, renormalise: bool, scale: float = 1.0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layers.common import deferred_init
+from ...layers.common import Elements, deferred_init
 from ...layers.documents import check_document_labels, check_position_ids, document_ids
 from ...layers.head import lm_loss, step_normalizer
 from ...layers.moe import MoEBlock
@@ -67,6 +67,26 @@ class Block(nn.Module):
         x = self.attention(x, position_ids)
         return x + self.ffn(self.ffn_norm(x))
 
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """What the block keeps per token (activation-dtype elements), its modules' declarations put together
+        along ``recompute_regions``: "full" keeps a dense block's input, or a MoE block's attention sublayer's
+        input with the FFN norm, the routing, dispatch and combine and the experts' inputs; otherwise the two
+        norms, MLA and the FFN, the MoE told whether its norm keeps only its input (the ``"router"`` saver then
+        rebuilds the router's input from it)."""
+        h = self.attn_norm.weight.numel()
+        if policy == "full" and not self.is_moe:
+            return {"input": h}
+        norm_recomputed = self.ffn_norm.recompute
+        if policy == "full":
+            ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed, experts_recomputed=True)
+            return {"attention_input": h, "ffn_norm": sum(self.ffn_norm.saved_per_token("none", seq).values()),
+                    **{f"ffn.{n}": v for n, v in ffn.items()}}
+        ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed) if self.is_moe \
+            else self.ffn.saved_per_token(policy, seq)
+        parts = {"attn_norm": self.attn_norm, "attn": self.attn, "ffn_norm": self.ffn_norm}
+        kept = {name: sum(m.saved_per_token(policy, seq).values()) for name, m in parts.items()}
+        return {**kept, **{f"ffn.{n}": v for n, v in ffn.items()}}
+
 
 class MTPModule(nn.Module):
     """One multi-token-prediction depth: h'_i = W[RMSNorm(Emb(t_{i+k})); RMSNorm(h_i)] -> one block.
@@ -90,6 +110,18 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), position_ids)
+
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """This depth's own tensors per token (activation-dtype elements) and its block's: the two input norms
+        (the hidden half's input is the previous head's norm output, kept by that head already), the
+        projection's input and the output norm (the shared head and the loss are ``head_saved_per_token``'s)."""
+        e = Elements(self.proj)
+        hnorm = self.hnorm.saved_per_token(policy, seq)
+        return {"enorm": sum(self.enorm.saved_per_token(policy, seq).values()),
+                "hnorm": sum(v for n, v in hnorm.items() if n != "input"),
+                "proj_input": e.linear_input(self.proj, 2 * self.proj.out_features),
+                "norm": sum(self.norm.saved_per_token(policy, seq).values()),
+                **{f"block.{n}": v for n, v in self.block.saved_per_token(policy, seq).items()}}
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
@@ -184,6 +216,15 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     if mtp_losses:
         total = main + config.mtp_loss_weight / len(mtp_losses) * torch.stack(mtp_losses).sum()
     return LossParts(total, main, mtp_losses)
+
+
+def head_saved_per_token(hidden: int, vocab: int, keep_logits: bool, itemsize: int) -> dict[str, float]:
+    """What the head and one cross-entropy keep per token, in elements of an ``itemsize``-byte activation dtype:
+    the head's input (never FP8), the float32 log-probabilities (the model-dtype logits with the ``"loss"``
+    saver, ``keep_logits``) and the target id; the final norm before it is an ``RMSNorm``'s to declare."""
+    compute = 8 if itemsize == 8 else 4
+    return {"head_input": hidden, "log_probs": vocab if keep_logits else vocab * compute / itemsize,
+            "target": 8 / itemsize}
 
 
 def init_weights(module: nn.Module, std: float) -> None:
