@@ -29,8 +29,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from mt_dualpipe.layers.balance import STRATEGIES  # noqa: E402
+from mt_dualpipe.layers.moe_state import dropped_fraction, moe_layers  # noqa: E402
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, update_expert_bias  # noqa: E402
-from mt_dualpipe.models.deepseek_v3.moe import dropped_fraction, moe_layers  # noqa: E402
 
 
 def bigram_batches(vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list[torch.Tensor]:

@@ -66,6 +66,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt_dualpipe.data.text import PackedText, load_tokenizer  # noqa: E402
+from mt_dualpipe.layers.moe_state import moe_layers, set_ep_group, set_timeout  # noqa: E402
 from mt_dualpipe.layers.savers import MEMORY_SAVERS  # noqa: E402
 from mt_dualpipe.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
@@ -79,7 +80,6 @@ from mt_dualpipe.models.deepseek_v3 import (  # noqa: E402
     update_expert_bias,
 )
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402
-from mt_dualpipe.models.deepseek_v3.moe import moe_layers, set_ep_group, set_timeout  # noqa: E402
 from mt_dualpipe.models.deepseek_v3.stage_balance import (  # noqa: E402
     LayoutCost,
     balance,

@@ -6,7 +6,9 @@ model (so a test can compare it with a reference to ~1e-15) and in float32 other
 family's init, or the checkpoint loader, overwrites every weight anyway; on the meta device a large
 model then builds in seconds).
 ``SavedPerToken``: what a module keeps for backward per token under a recompute policy, in elements
-of the activation dtype — the declaration the planner's memory model is meant to read.
+of the activation dtype — the declaration the planner's memory model reads. A tensor kept in another
+dtype counts as its bytes over the activation dtype's (``Elements``: float32 copies in a bf16 model, the
+E4M3 copies FP8 linears keep of their inputs).
 """
 
 from __future__ import annotations
@@ -55,11 +57,53 @@ class SavesPerToken(Protocol):
     dtype's size is the module's per-token activation memory (the S×S attention probabilities, which
     grow with the sequence, are reported per token at the given ``seq`` as ``heads * seq``)."""
 
-    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
         ...
 
 
-def saved_elements_per_token(module: nn.Module, policy: str, seq: int) -> int:
+INDEX_BYTES = 8  # an int64 index
+FP8_COPY_BYTES = 1 + 4 / 128  # an E4M3 element plus its share of one float32 scale per 1×128 tile
+
+
+class Elements:
+    """Bytes kept for backward expressed in elements of a module's activation dtype (its first floating
+    parameter's; the declarations' unit): ``compute(n)`` n elements in ``compute_dtype``, ``index(n)`` int64
+    indices, ``bools(n)``, ``linear_input(linear, n)`` what a linear keeps of an n-feature input (the input itself,
+    or the E4M3 copy an FP8 linear keeps)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        self.itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        self.compute_itemsize = 8 if dtype == torch.float64 else 4
+
+    @property
+    def upcast(self) -> bool:
+        """Whether ``compute_dtype`` differs from the activation dtype (a casting copy is then a new tensor)."""
+        return self.compute_itemsize != self.itemsize
+
+    def compute(self, n: float) -> float:
+        return n * self.compute_itemsize / self.itemsize
+
+    def index(self, n: float) -> float:
+        return n * INDEX_BYTES / self.itemsize
+
+    def bools(self, n: float) -> float:
+        return n / self.itemsize
+
+    def fp8(self, n: float) -> float:
+        return n * FP8_COPY_BYTES / self.itemsize
+
+    def linear_input(self, linear: nn.Module, n: float) -> float:
+        return self.fp8(n) if is_fp8(linear) else float(n)
+
+
+def is_fp8(linear: nn.Module) -> bool:
+    """Whether ``linear`` keeps an E4M3 copy of its input rather than the input (``fp8.FP8Linear``, or any linear
+    that quantises its input itself)."""
+    return hasattr(linear, "quantize_input")
+
+
+def saved_elements_per_token(module: nn.Module, policy: str, seq: int) -> float:
     """The sum over the declaring modules of ``module``'s tree; a declaration covers its whole subtree
     (the walk does not descend below a module that declares)."""
     if isinstance(module, SavesPerToken):

@@ -1,7 +1,6 @@
 """Expert parallelism: routed experts sharded over an EP group, (token, expert) rows moved by all-to-all.
 
-The one dispatcher of the library; every MoE family's block uses it (``moe.MoEBlock``, DeepSeek-V3's
-``MoE``).
+The one dispatcher of the library; every MoE family's block (``moe.MoEBlock``) uses it.
 
 - **Plan** (``plan_dispatch``): the (token, expert) pairs are sorted by global expert id, which is also by
   destination rank (rank r holds experts ``r * E/ep .. (r+1) * E/ep - 1``, ``local_expert_ids``); the

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .attention_core import CORES, core_attention
-from .common import compute_dtype
+from .common import Elements, compute_dtype, is_fp8
 from .documents import check_position_ids, document_ids
 from .norm import RMSNorm
 from .rope import RopeSpec, apply_rope, cos_sin
@@ -105,3 +105,50 @@ class MLAttention(nn.Module):
         """Causal softmax attention -> (batch, seq, heads * v_head_dim), before the output projection;
         ``documents``: the packed rows' block-diagonal mask."""
         return core_attention(q, k, v, self.softmax_scale, self.core_kind, documents)
+
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """Per token, in activation-dtype elements (``common.Elements``), for one sequence per micro-batch: the
+        down-projections' input (one storage, or each FP8 down-projection's E4M3 copy, one shared with
+        ``share_fp8_input``), RoPE's cos/sin, the query latent's norm and ``wq_b``'s input, ``wkv_a``'s output (the
+        kv norm reads a view of it; a float32 copy of the latent in a low-precision model) with the kv norm's and
+        ``wkv_b``'s input, the core's (eager: q, k, the k_nope|v buffer ·V reads, the probabilities, also in the
+        activation dtype when it differs, and the causal mask; ``"recomputed"``: q, k, v; ``"flash"``: q, k, v and
+        one log-sum-exp per head) and ``wo``'s input. ``"selective"`` (``attend`` recomputed) keeps the input, the
+        two latents, ``wo``'s input (and a flash core's log-sum-exp); ``"full"``: nothing (the enclosing block
+        keeps its input). The attention norm before it is the block's."""
+        if policy == "full":
+            return {}
+        e = Elements(self)
+        lora = hasattr(self, "wq_a")
+        down = self.wq_a if lora else self.wq
+        hidden, heads, dqk, dv = down.in_features, self.n_heads, self.nope + self.rope, self.v_dim
+        if is_fp8(down) and is_fp8(self.wkv_a):
+            x = e.fp8(hidden) * (1 if self.share_fp8_input and lora else 2)
+        else:
+            x = e.linear_input(down, hidden) if is_fp8(down) or is_fp8(self.wkv_a) else float(hidden)
+        kept: dict[str, float] = {"input": x, "wo_input": e.linear_input(self.wo, heads * dv)}
+        flash = self.core_kind == "flash"
+        if policy == "selective":
+            q_lora = self.wq_a.out_features if lora else 0
+            kept["latents"] = q_lora + self.kv_lora_rank + self.rope
+            return {**kept, "lse": e.compute(heads)} if flash else kept
+        kept["rope"] = e.compute(self.rope)
+        if lora:
+            q_lora = self.wq_a.out_features
+            kept["q_norm"] = sum(self.q_norm.saved_per_token(policy, seq).values())
+            kept["wq_b_input"] = e.linear_input(self.wq_b, q_lora)
+        lat = self.kv_lora_rank
+        if self.kv_norm.recompute:
+            kept["kv"] = lat + self.rope
+        else:
+            kept["kv"] = e.compute(lat) if e.upcast else lat + self.rope
+            kept["kv_norm"] = e.compute(lat + 1)
+        kept["wkv_b_input"] = e.linear_input(self.wkv_b, lat)
+        if self.core_kind == "eager":
+            kept.update(qk=heads * 2 * dqk, v=heads * (dv + self.nope),
+                        probs=heads * seq * (e.compute(1) + (1 if e.upcast else 0)), mask=e.bools(seq))
+        else:
+            kept.update(qkv=heads * (2 * dqk + dv))
+            if flash:
+                kept["lse"] = e.compute(heads)
+        return kept

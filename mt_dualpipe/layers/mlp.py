@@ -20,6 +20,7 @@ from torch import nn
 
 from ..fp8.linear import FP8Linear, fp8_swiglu_down
 from ..fp8.quantize import QTensor, dequantize, quantize_tiles
+from .common import Elements, is_fp8
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,15 +102,22 @@ class SwiGLUMLP(nn.Module):
         if policy == "selective" and self.selective and not self.recompute_product:
             yield self, "act", "swiglu"
 
-    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
-        """Per routed row for an expert: the input, gate and up outputs, the product (the down-projection
-        keeps its input whether or not the activation is recomputed) and, unless ``"selective"``
-        recomputes the activation, silu(gate); with ``recompute_product`` only the input, gate and up."""
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """Per row (a token, or a routed row for an expert): the input (with FP8 up-projections their one
+        E4M3 copy), gate and up outputs, the product (the down-projection keeps its input whether or not the
+        activation is recomputed; an E4M3 copy with an FP8 one) and, unless ``"selective"`` recomputes the
+        activation, silu(gate). With ``recompute_product`` gate and up (E4M3 with FP8 up-projections) and the
+        product, which an FP8 down-projection rebuilds in B instead (``fp8_swiglu_down``)."""
         if policy == "full":
             return {}
+        e = Elements(self)
         i = self.gate_proj.out_features
-        kept = {"input": self.gate_proj.in_features, "gate": i, "up": i}
+        fp8_up = self._fp8_up()
+        kept = {"input": e.linear_input(self.gate_proj, self.gate_proj.in_features)}
         if self.recompute_product:
+            kept.update(gate=e.fp8(i) if fp8_up else i, up=e.fp8(i) if fp8_up else i)
+            if not (fp8_up and is_fp8(self.down_proj) and self.down_proj.bias is None):
+                kept["product"] = e.linear_input(self.down_proj, i)
             return kept
-        kept["product"] = i
+        kept.update(gate=i, up=i, product=e.linear_input(self.down_proj, i))
         return kept if policy == "selective" and self.selective else {**kept, "silu_gate": i}

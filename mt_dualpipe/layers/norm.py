@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import compute_dtype
+from .common import Elements, compute_dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = False) -> torch.Tensor:
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         if self.recompute and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             out = _RecomputedRMSNorm.apply(x, self.weight, self.eps, self.fused)
             # how to rebuild this output from what the norm keeps (``rms_norm(*source)``): a reader that needs
-            # its input in B (the DeepSeek-V3 router's ``"router"`` saver) re-derives it instead of keeping it
+            # its input in B (a router's ``"router"`` saver, ``router.Router``) re-derives it instead of keeping it
             out.rms_norm_source = (x, self.weight, self.eps, self.fused)
             return out
         return rms_norm(x, self.weight, self.eps, self.fused)
@@ -76,11 +76,16 @@ class RMSNorm(nn.Module):
         return (f"{self.weight.numel()}, eps={self.eps}" + (", recompute" if self.recompute else "")
                 + (", fused" if self.fused else ""))
 
-    def saved_per_token(self, policy: str, seq: int) -> dict[str, int]:
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
         """Eager ``F.rms_norm`` keeps its input, the normalised input (the weight's gradient) and 1/rms, in
-        elements; with ``recompute`` only the input."""
+        elements (``fused`` in a low-precision model: a float32 copy of the input, the float32 normalised input
+        and 1/rms); with ``recompute`` only the input."""
         if policy == "full":
             return {}
+        d = self.weight.numel()
         if self.recompute:
-            return {"input": self.weight.numel()}
-        return {"input": self.weight.numel(), "normalized": self.weight.numel(), "rstd": 1}
+            return {"input": d}
+        e = Elements(self)
+        if self.fused and e.upcast:
+            return {"input_upcast": e.compute(d), "normalized": e.compute(d), "rstd": e.compute(1)}
+        return {"input": d, "normalized": d, "rstd": 1}

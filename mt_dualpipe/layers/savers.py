@@ -11,8 +11,8 @@ what it then keeps, so the planner counts any family with them from the modules 
   is a plain sum that keeps no expert outputs (exact gradients: the weight's comes from the product the
   SwiGLU rebuilds; ``moe.MoEBlock``);
 - ``router``: a router that computes its affinities in float32 keeps its input as given, in the model
-  dtype, rather than float32 copies of the input and weight (DeepSeek-V3's ``Gate``; the shared
-  ``Router`` multiplies in the model dtype and keeps nothing more anyway);
+  dtype, rather than float32 copies of the input and weight (``router.Router(upcast=True, keep_input=True)``,
+  DeepSeek-V3's; a router that multiplies in the model dtype keeps nothing more anyway);
 - ``attention``: the core attention keeps q, k and v only and re-runs itself in B (a flash-style
   kernel's footprint; the forward is the eager one, so logits are unchanged; ``attention_core``);
 - ``loss``: the cross-entropies keep the model-dtype logits and rebuild the float32 log-softmax in B

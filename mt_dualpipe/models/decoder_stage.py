@@ -158,7 +158,7 @@ class DecoderStage(nn.Module):
     def compile_targets(self) -> list[nn.Module]:
         """What ``compile=`` compiles (``models/compile.py``), the memory-bound parts: per decoder layer
         each sub-module (norms, attention with RoPE and softmax, the dense SwiGLU), of an MoE block only its
-        shared expert (routed experts, router, dispatch and combine stay eager: their row counts follow the
+        shared experts (routed experts, router, dispatch and combine stay eager: their row counts follow the
         routing, and a compiled version would recompile with every count), and the final norm; the loss is
         compiled on its own (``loss_fn``). Linears inside stay out of the graphs' weight gradients, so their
         GEMMs still wait for W; the residual adds stay eager."""
@@ -166,7 +166,7 @@ class DecoderStage(nn.Module):
         for layer in self.decoder.layers.values():
             for child in layer.children():
                 if isinstance(child, MoEBlock):
-                    targets += [child.shared_expert] if child.shared_expert is not None else []
+                    targets += [child.shared_experts] if child.shared_experts is not None else []
                 else:
                     targets.append(child)
         if self.is_last:

@@ -2,9 +2,8 @@
 name, ``registry.FAMILIES``' planner names) or ``--model path/config.json`` (the family's own Hugging Face
 config as shipped, read through the family's config class).
 
-A family with a ``spec.py`` gives the planner its ``planner_spec(config)``, whose saved bytes per token are read
-from the modules' ``saved_per_token`` declarations (with the config's ``memory_savers`` on); DeepSeek-V3 is
-described by ``ModelSpec.from_deepseek_config``, whose saved bytes follow ``planner/activations.py``. The family
+Every family gives the planner its ``planner_spec(config)`` (its ``spec.py``), whose saved bytes per token are
+read from the modules' ``saved_per_token`` declarations (with the config's ``memory_savers`` on). The family
 is imported only when asked for (its declarations are read from layers built on the meta device), so planning a
 JSON model loads no model code. The spec carries its family's ``Family.planned`` (``ModelSpec.facts``), so the
 plan speaks of that family's modules and prints a miniature of its own tiny preset (``planner/families.py``).
@@ -41,10 +40,6 @@ def _spec(entry: Family, config: Any) -> ModelSpec:
         spec_module = None
     if spec_module is not None and hasattr(spec_module, "planner_spec"):
         return spec_module.planner_spec(config)
-    if hasattr(config, "mtp_depth"):  # DeepSeek-V3: the planner's MLA / DeepSeekMoE formulas
-        from ..planner.model import ModelSpec
-
-        return ModelSpec.from_deepseek_config(config)
     raise ValueError(f"the {entry.config_class} family has no planner description (a spec.py with planner_spec)")
 
 

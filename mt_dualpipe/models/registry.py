@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,8 @@ FAMILIES: dict[str, Family] = {
                            "num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "n_routed_experts",
                            "n_shared_experts", "num_experts_per_tok", "q_lora_rank", "kv_lora_rank",
                            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers"),
-                          DEEPSEEK_V3),
+                          replace(DEEPSEEK_V3, saved_code="its modules' saved_per_token declarations, "
+                                                          "models/deepseek_v3/spec.py")),
     "llava": Family("mt_dualpipe.models.llava", "LlavaForConditionalGeneration", "LlavaConfig"),
 }
 

@@ -1,7 +1,9 @@
 """Bytes a decoder layer saves for its backward, per token, under each recompute policy.
 
-Counted tensor by tensor from what the families' modules hand autograd (``models/
-deepseek_v3/{mla,moe,model}.py``, ``models/llama/model.py``; the policies are applied by
+For a model given as a JSON description (SimuMax's layout, the bundled ``deepseek_v3_671b``): a family's own
+model reads its modules' ``saved_per_token`` declarations instead (``models/*/spec.py``,
+``ModelSpec.declared_saved``), which state the same rules module by module. Counted tensor by tensor from what
+the modules hand autograd (``layers/{mla,moe,router,mlp,norm}.py``; the policies are applied by
 ``models/recompute.py``), so the estimate follows the code rather than a fitted constant:
 
 - **RMSNorm** (``F.rms_norm`` decomposed, in the compute dtype): its input upcast to float32 (the

@@ -71,7 +71,9 @@ SHARED_SAVERS = ("norm", "swiglu", "attention", "loss")
 """The savers every family on the shared layer has: its RMSNorms, SwiGLUs, core attention and the stages' loss."""
 
 DEEPSEEK_V3 = PlannedFamily(
-    "deepseek_v3", "DeepSeek-V3", "models/deepseek_v3/moe.py: MoE over its ep group", "planner/activations.py",
+    "deepseek_v3", "DeepSeek-V3", "layers/moe.py: MoEBlock over its ep group, configured by models/deepseek_v3/moe.py",
+    "planner/activations.py (the bundled description; a DeepSeek-V3 config is counted from its modules' "
+    "declarations, equal at 671B)",
     "q, k, v rebuilt from the MLA latents in B (their RMSNorms and the up-projections)", SAVERS,
     example="examples/deepseek_v3_repro.py", tiny_experts=16, tiny_layers=4, flash_core=True)
 

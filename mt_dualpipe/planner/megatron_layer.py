@@ -60,7 +60,7 @@ def megatron_gpt(spec: ModelSpec) -> ModelSpec:
         raise ScheduleError(f"{spec.name}: the megatron-lm implementation describes a GPT layer (GeLU MLP, "
                             "multi-head attention, no experts); set use_swiglu false and drop the MoE/MLA keys")
 
-    def declared(kind: str, recompute: str, seq: int) -> float:
+    def declared(kind: str, recompute: str, seq: int, t: object = None) -> float:
         return saved_bytes_per_token(spec, recompute, seq) / ELEM
 
     return replace(spec, declared_saved=declared, score_bytes=SCORE_BYTES)

@@ -148,11 +148,14 @@ class ModelSpec:
     # family's entry in ``models/registry.py`` holds it and ``models/planner_specs.py`` sets it; None for a
     # description read from JSON, ``families.family_of`` then says which).
     facts: PlannedFamily | None = field(default=None, compare=False)
-    # A family's own account of what its layers keep: (kind "dense"/"moe", recompute policy, seq) -> saved
-    # elements per token, from the modules' ``saved_per_token`` declarations (``mt_dualpipe/layers``).
-    # When given it replaces ``planner/activations.py``'s description of the layer's saved bytes, so the
-    # planner counts what the runtime's modules declare (the Qwen3-MoE family's ``spec.py`` sets it).
-    declared_saved: Callable[[str, str, int], float] | None = field(default=None, compare=False)
+    # A family's own account of what its layers keep: (kind "dense"/"moe", recompute policy, seq, the plan's
+    # ``Dtypes``) -> saved elements per token of the model dtype, from the modules' ``saved_per_token``
+    # declarations (``mt_dualpipe/layers``). When given it replaces ``planner/activations.py``'s description of
+    # the layer's saved bytes, so the planner counts what the runtime's modules declare (every family's
+    # ``spec.py`` sets it). ``declared_head`` likewise for the head (part "head": final norm, head, loss) and
+    # one MTP depth besides its block (part "mtp").
+    declared_saved: Callable[..., float] | None = field(default=None, compare=False)
+    declared_head: Callable[..., float] | None = field(default=None, compare=False)
     # Bytes an eager core's elementwise kernels move per S×S score element in F (None: this library's
     # ``eager_core``, ``activations.eager_score_bytes``); a published run's own layer sets its kernels' figure
     # (``planner/megatron_layer.py``: Megatron-LM's fused softmax and attention dropout).
@@ -163,7 +166,7 @@ class ModelSpec:
     def fields(cls) -> list[str]:
         """The model keys a description may give (SimuMax's names), besides ``DESCRIPTIVE_KEYS``."""
         return [f for f in cls.__dataclass_fields__
-                if f not in ("name", "source", "facts", "declared_saved", "score_bytes")]
+                if f not in ("name", "source", "facts", "declared_saved", "declared_head", "score_bytes")]
 
     @classmethod
     def canonical(cls, data: dict, where: str = "model description") -> dict:
@@ -331,7 +334,7 @@ class ModelSpec:
             params, moe = (attn_p + self.mlp_params(self.intermediate_size) + h, 0.0), False
             w_held += dense_ffn_w_held(h, self.intermediate_size, t, up_readers)
         if self.declared_saved is not None:  # the family's modules say what they keep (elements, model dtype)
-            act = self.declared_saved("moe" if moe else "dense", recompute, seq_len) * elem
+            act = self.declared_saved("moe" if moe else "dense", recompute, seq_len, t) * elem
         re_mm, re_attn = 0.0, 0.0
         if recompute == "full":  # everything but the router (the all-to-alls are not compute)
             re_mm, re_attn = attn_mm + mm - router, attn_core
@@ -365,7 +368,11 @@ class ModelSpec:
         # weight with F.linear, whose gradient is computed in B
         head_w = head_w_held(h, t) if self.attention_type == "mla" else 0.0
         # the loss: logits written in the model dtype, then read and rewritten in float32 by the softmax
-        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_saved(h, V, t), w_act_bytes=head_w,
+        head_act = head_saved(h, V, t) if self.declared_head is None else self.declared_head("head", recompute,
+                                                                                             seq_len, t) * elem
+        mtp_act = mtp_extra_saved(h, V, t) if self.declared_head is None else self.declared_head("mtp", recompute,
+                                                                                                  seq_len, t) * elem
+        head = Item("head", V * h + h, 0.0, 2 * V * h, 0.0, head_act, w_act_bytes=head_w,
                     hbm_bytes=V * (elem + 2 * 4.0), bf16_mm_flops=2 * V * h)
         for d in range(self.mtp_depth):  # projection of [h; emb] and one more (MoE) block, the shared head
             block = self.layer_item(self.layer_num + d, seq_len, act_unit, recompute, elem, micro_batch_size,
@@ -373,7 +380,7 @@ class ModelSpec:
             proj = 2 * h * h + 3 * h  # the [h; emb] projection and its two input norms + the output norm
             head = Item("head+mtp", head.params + proj + block.params, head.expert_params + block.expert_params,
                         head.mm_flops + 2 * proj + block.mm_flops + 2 * V * h, head.attn_flops + block.attn_flops,
-                        head.act_bytes + block.act_bytes + mtp_extra_saved(h, V, t), True,
+                        head.act_bytes + block.act_bytes + mtp_act, True,
                         head.recompute_mm_flops + block.recompute_mm_flops,
                         head.recompute_attn_flops + block.recompute_attn_flops,
                         head.w_act_bytes + block.w_act_bytes + 2 * h * act_unit + head_w,  # + projection, head inputs

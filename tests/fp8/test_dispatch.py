@@ -11,8 +11,10 @@ from mt_dualpipe.fp8 import convert_to_fp8
 from mt_dualpipe.fp8.quantize import dequantize, quantize_tiles
 from mt_dualpipe.layers.expert_parallel import fp8_row_bytes, pack_fp8, unpack_fp8
 from mt_dualpipe.layers.mlp import SwiGLUMLP
+from mt_dualpipe.layers.moe import Dispatcher
+from mt_dualpipe.layers.moe_state import moe_layers
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
-from mt_dualpipe.models.deepseek_v3.moe import MoE
+from mt_dualpipe.models.deepseek_v3.moe import moe_block
 from tests.helpers.deepseek import overlapped_equals_sequential
 from tests.helpers.dist import run_ranks
 
@@ -38,14 +40,18 @@ def test_packed_rows_are_the_tile_quantisation_and_about_half_of_bf16():
 def test_moe_dispatches_the_dequantised_fp8_rows():
     config = small_config()
     torch.manual_seed(0)
-    moe = MoE(config).eval()
+    moe = moe_block(config).eval()
     h = torch.randn(2, 8, config.dim, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        weights, _, plan, rows = moe.route(h)
+        flat = h.flatten(0, 1)
+        routing = moe.gate(flat)
+        plain_dispatch = Dispatcher(config.n_routed_experts)
+        rows, plan = plain_dispatch.dispatch(flat, routing)
         rows = unpack_fp8(pack_fp8(rows), config.dim, rows.dtype)
-        expected = moe.combine(moe.run_experts(rows, plan), weights, plan, moe.shared(h), h.shape)
+        expected = plain_dispatch.combine(moe.experts.run(rows, plan.expert_rows), routing, plan)
+        expected = expected.view(h.shape) + moe.shared_experts(h)
         assert torch.equal(moe(h), expected)
-        plain = MoE(config.replace(fp8_dispatch=False)).eval()
+        plain = moe_block(config.replace(fp8_dispatch=False)).eval()
         plain.load_state_dict(moe.state_dict())
         assert not torch.equal(plain(h), expected)  # the dispatch really is quantised
 
@@ -65,7 +71,7 @@ def test_stages_with_fp8_dispatch_match_the_model_and_gradients_flow():
             if p.grad is not None and name in own:
                 torch.testing.assert_close(p.grad, own[name].grad, rtol=1e-5, atol=1e-6)
                 n += 1
-    assert n > 10 and all(m.fp8_dispatch for s in (first, second) for m in s.modules() if isinstance(m, MoE))
+    assert n > 10 and all(m.dispatcher.fp8 for s in (first, second) for m in moe_layers(s))
 
 
 def test_overlapped_forward_backward_with_fp8_dispatch_is_bit_identical():
@@ -105,8 +111,8 @@ def test_fp8_experts_keep_one_fp8_copy_of_their_input():
 def _ep_worker(rank, world):
     config = small_config()
     torch.manual_seed(0)
-    full = MoE(config)
-    shard = MoE(config, ep_group=dist.group.WORLD)
+    full = moe_block(config)
+    shard = moe_block(config, ep_group=dist.group.WORLD)
     shard.load_state_dict({k: v for k, v in full.state_dict().items() if k in shard.state_dict()})
     x = torch.randn(2 * world, 8, config.dim, generator=torch.Generator().manual_seed(1))
     rows = slice(2 * rank, 2 * rank + 2)

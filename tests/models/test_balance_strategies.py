@@ -17,8 +17,9 @@ from mt_dualpipe.layers.balance import (
     sequence_balance_loss,
     strategy_overrides,
 )
+from mt_dualpipe.layers.moe_state import dropped_fraction
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, update_expert_bias
-from mt_dualpipe.models.deepseek_v3.moe import MoE, dropped_fraction
+from mt_dualpipe.models.deepseek_v3.moe import moe_block
 from tests.helpers.dist import run_ranks
 
 torch.set_num_threads(1)
@@ -38,11 +39,11 @@ def test_bias_update_moves_by_gamma_towards_the_mean():
 
 def test_update_expert_bias_uses_the_configured_gamma_and_zero_disables_it():
     for gamma, expected in ((0.5, [-0.5, 0.5]), (0.0, [0.0, 0.0])):
-        moe = MoE(small_config(n_routed_experts=2, n_expert_groups=1, n_limited_groups=1, n_activated_experts=1,
+        moe = moe_block(small_config(n_routed_experts=2, n_expert_groups=1, n_limited_groups=1, n_activated_experts=1,
                                bias_update_speed=gamma))
         moe.gate.load.copy_(torch.tensor([5.0, 1.0]))
         update_expert_bias(moe)
-        assert moe.gate.bias.tolist() == expected
+        assert moe.gate.e_score_correction_bias.tolist() == expected
         assert moe.gate.load.tolist() == [0.0, 0.0]
 
 
@@ -73,16 +74,16 @@ def test_device_limited_mask_hand_example():
 def test_device_limited_routing_never_exceeds_m_devices():
     config = small_config(n_routed_experts=16, n_expert_groups=4, n_limited_groups=2, n_activated_experts=6,
                           device_groups=4, device_limit=2)
-    moe = MoE(config)
+    moe = moe_block(config)
     torch.nn.init.normal_(moe.gate.weight, 0, 1.0)
-    moe.gate.bias.normal_(0, 0.1)
+    moe.gate.e_score_correction_bias.normal_(0, 0.1)
     x = torch.randn(512, config.dim, generator=torch.Generator().manual_seed(0))
     _, indices, _ = moe.gate(x)
     devices = indices // (config.n_routed_experts // config.device_groups)
     per_token = torch.tensor([len(set(row)) for row in devices.tolist()])
     assert int(per_token.max()) == 2 and int(per_token.min()) >= 1
     assert indices.unique(dim=1).size(1) == 6  # still k distinct experts per token
-    free = MoE(config.replace(device_limit=0, n_expert_groups=1, n_limited_groups=1))
+    free = moe_block(config.replace(device_limit=0, n_expert_groups=1, n_limited_groups=1))
     free.load_state_dict(moe.state_dict())
     free_devices = free.gate(x)[1] // 4
     assert max(len(set(row)) for row in free_devices.tolist()) > 2  # the limit is what confines them
@@ -113,7 +114,7 @@ def test_capacity_score_priority_serves_the_heaviest_gate_weights():
 def test_moe_with_dropping_zeroes_exactly_the_dropped_pairs_and_counts_them():
     config = small_config(capacity_factor=0.5)
     torch.manual_seed(0)
-    moe = MoE(config).train()
+    moe = moe_block(config).train()
     x = torch.randn(2, 8, config.dim, generator=torch.Generator().manual_seed(3))
     y = moe(x)
     flat = x.flatten(0, 1)
@@ -168,18 +169,19 @@ def _ep_worker(rank, world):
     # Device-limited routing with the devices = the EP ranks and M = 1: every token's rows go to one rank.
     config = small_config(device_groups=2, device_limit=1, capacity_factor=0.75)
     torch.manual_seed(0)
-    full = MoE(config)
+    full = moe_block(config)
     torch.nn.init.normal_(full.gate.weight, 0, 1.0)
-    shard = MoE(config, ep_group=dist.group.WORLD)
+    shard = moe_block(config, ep_group=dist.group.WORLD)
     shard.load_state_dict({k: v for k, v in full.state_dict().items() if k in shard.state_dict()})
     x = torch.randn(2 * world, 8, config.dim, generator=torch.Generator().manual_seed(1))
     rows = slice(2 * rank, 2 * rank + 2)
-    weights, indices, plan, _ = shard.route(x[rows])
+    indices = shard.gate(x[rows].flatten(0, 1)).indices
     ranks_per_token = max(len(set((row // (config.n_routed_experts // world)).tolist())) for row in indices)
     y = shard(x[rows])
+    dropped, routed = dropped_fraction(shard)
     y_ref = torch.cat([full(x[slice(2 * r, 2 * r + 2)]) for r in range(world)])  # capacity is per rank's batch
     torch.testing.assert_close(y, y_ref[rows], rtol=1e-5, atol=1e-6)  # experts batch both ranks: GEMM order
-    return glob, local, ranks_per_token, sum(plan.send_splits)
+    return glob, local, ranks_per_token, routed - dropped
 
 
 def test_batch_loss_is_global_and_device_limit_holds_over_two_ep_ranks():

@@ -218,14 +218,14 @@ def test_precision_follows_the_model_dtype():
     1e-12); bf16 / fp32 models keep float32 for them."""
     from mt_dualpipe.layers import cos_sin
     from mt_dualpipe.models.deepseek_v3.mla import compute_dtype
-    from mt_dualpipe.models.deepseek_v3.moe import Gate
+    from mt_dualpipe.models.deepseek_v3.moe import router
 
     config = DeepSeekV3Config.from_hf(hf_config(True).to_dict())
     assert [compute_dtype(torch.zeros(1, dtype=d)) for d in (torch.float64, torch.float32, torch.bfloat16)] == \
         [torch.float64, torch.float32, torch.float32]
     cos, _ = cos_sin(8, 8, config.rope_spec, torch.float64)
     assert cos.dtype == torch.float64
-    gate = Gate(config)
+    gate = router(config)
     torch.nn.init.normal_(gate.weight)
     for dtype, want in ((torch.float64, torch.float64), (torch.bfloat16, torch.float32)):
         weights, _, scores = gate.to(dtype)(torch.randn(4, 32, dtype=dtype))

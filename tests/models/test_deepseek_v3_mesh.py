@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mt_dualpipe.layers.moe_state import moe_layers
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
@@ -28,7 +29,6 @@ from mt_dualpipe.models.deepseek_v3 import (
     stages_for_rank,
     sync_expert_load,
 )
-from mt_dualpipe.models.deepseek_v3.moe import moe_layers
 from mt_dualpipe.parallel import weight_kind
 from tests.helpers.dist import run_ranks
 from tests.helpers.parallel import assert_params_match, rank_micro_batches
@@ -89,7 +89,7 @@ def test_stages_for_rank_on_a_mesh_checks_the_rank_and_the_group():
     config, sched = small_config(), build_schedule("1f1b", 2, 2)
     dims = SimpleNamespace(ep=1, coord=lambda dim: {"pp": 1}[dim])  # pp rank 1 of a mesh with ep = 1
     (stage,) = stages_for_rank(config, sched, 1, mesh=dims)
-    assert stage.index == 1 and all(m.ep_group is None for m in moe_layers(stage))
+    assert stage.index == 1 and all(m.dispatcher.group is None for m in moe_layers(stage))
     with pytest.raises(ValueError, match=r"rank 0 is not this process's pipeline rank on the mesh \(1\)"):
         stages_for_rank(config, sched, 0, mesh=dims)
     with pytest.raises(ValueError, match="give stages_for_rank mesh= .* or ep_group=, not both"):
@@ -139,7 +139,7 @@ def _mesh_step(rank, world, pp, dp, ep, schedule, dp_mode, num_mb):
     sched = build_schedule(schedule, pp, num_mb)
     mods = stages_for_rank(config, sched, dims.coord("pp"), source=start, mesh=dims)
     if ep > 1:  # the experts shard over the mesh's ep group
-        assert all(m.ep_group is mesh_ep_group(dims) for m in moe_layers(torch.nn.ModuleList(mods)))
+        assert all(m.dispatcher.group is mesh_ep_group(dims) for m in moe_layers(torch.nn.ModuleList(mods)))
     mesh = {"mesh": dims, "dp_mode": dp_mode, "dp_batch": "local", "timeout": 60}
     pipe = DualPipe(tuple(mods), **mesh) if schedule == "dualpipe" else Pipeline(mods, sched, **mesh)
     opt = pipe.build_optimizer(lambda params: torch.optim.SGD(params, lr=LR))

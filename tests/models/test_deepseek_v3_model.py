@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
+from mt_dualpipe.layers.balance import sequence_balance_loss
 from mt_dualpipe.layers.expert_parallel import DEFAULT_TIMEOUT
+from mt_dualpipe.layers.moe_state import moe_layers, set_timeout
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
@@ -22,7 +24,7 @@ from mt_dualpipe.models.deepseek_v3 import (
     v_stage_ids,
 )
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch
-from mt_dualpipe.models.deepseek_v3.moe import Gate, moe_layers, sequence_balance_loss, set_timeout
+from mt_dualpipe.models.deepseek_v3.moe import moe_block, router
 from mt_dualpipe.runtime.overlap import run_overlapped
 
 torch.set_num_threads(1)
@@ -86,7 +88,7 @@ def test_mla_is_causal_with_one_rotary_key_for_all_heads():
 def test_gate_group_limited_topk_and_normalised_weights():
     config = small_config()
     torch.manual_seed(1)
-    gate = Gate(config)
+    gate = router(config)
     torch.nn.init.normal_(gate.weight, 0, 0.5)
     x = torch.randn(32, config.dim)
     weights, indices, scores = gate(x)
@@ -96,7 +98,7 @@ def test_gate_group_limited_topk_and_normalised_weights():
     torch.testing.assert_close(weights.sum(-1), torch.full((32,), config.route_scale))
     torch.testing.assert_close(weights, scores.gather(1, indices) / scores.gather(1, indices).sum(-1, True) * 2.5)
     # a large bias on one expert makes every token select it, without changing the affinities used as weights
-    gate.bias[5] = 10.0
+    gate.e_score_correction_bias[5] = 10.0
     weights2, indices2, scores2 = gate(x)
     assert (indices2 == 5).any(-1).all()
     torch.testing.assert_close(scores2, scores)
@@ -107,7 +109,7 @@ def test_bias_update_moves_against_the_load():
     gate = model.layers["1"].ffn.gate
     gate.load.copy_(torch.arange(16.0))  # expert 0 idle ... expert 15 busiest; mean 7.5
     update_expert_bias(model, speed=0.01)
-    assert (gate.bias[:8] == 0.01).all() and (gate.bias[8:] == -0.01).all()
+    assert (gate.e_score_correction_bias[:8] == 0.01).all() and (gate.e_score_correction_bias[8:] == -0.01).all()
     assert gate.load.sum() == 0
     # the counts come from training forwards (not no-grad evaluation): one per token and selected expert
     x, _ = make_batch(model.config)
@@ -141,8 +143,8 @@ def test_balance_loss_gradient_reaches_the_gate():
     model = DeepSeekV3Model(config)
     no_aux = copy.deepcopy(model)
     for m in no_aux.modules():
-        if hasattr(m, "balance_weight"):
-            m.balance_weight = 0.0
+        if hasattr(m, "sequence_balance_coef"):
+            m.sequence_balance_coef = 0.0
     x, y = make_batch(config)
     model(x, y).backward()
     no_aux(x, y).backward()
@@ -289,15 +291,15 @@ def test_routing_variants_select_as_their_definitions_say():
     config = small_config(n_routed_experts=8, n_expert_groups=4, n_limited_groups=1, n_activated_experts=2)
     torch.manual_seed(3)
     x = torch.randn(64, config.dim)
-    greedy = Gate(config.replace(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False))
+    greedy = router(config.replace(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False))
     torch.nn.init.normal_(greedy.weight, 0, 0.5)
     w, idx, scores = greedy(x)
     torch.testing.assert_close(scores, (x @ greedy.weight.T).softmax(-1))
     assert torch.equal(idx.sort(-1).values, scores.topk(2, -1).indices.sort(-1).values)
     torch.testing.assert_close(w, scores.gather(1, idx) * config.route_scale)  # not normalised
-    limited = Gate(config.replace(topk_method="group_limited_greedy"))
+    limited = router(config.replace(topk_method="group_limited_greedy"))
     limited.weight.data.copy_(greedy.weight)
-    limited.bias.fill_(5.0)  # ignored: only noaux_tc routes with the correction bias
+    limited.e_score_correction_bias.fill_(5.0)  # ignored: only noaux_tc routes with the correction bias
     _, idx, scores = limited(x)
     best_group = scores.view(64, 4, 2).amax(-1).argmax(-1)  # the group with the best single affinity
     assert torch.equal(idx // 2, best_group[:, None].expand(-1, 2))
@@ -321,19 +323,18 @@ def test_aux_loss_scale_and_ep_timeout_are_per_model():
     torch.testing.assert_close(grads[2] - grads[0], 2 * (grads[1] - grads[0]))  # linear in the scale
     assert not torch.allclose(grads[2], grads[0])
     assert set_timeout(build_stages(config, 2, source=a), 7.5) == 2
-    assert set_timeout(a, 3) == 2 and {m.ep_timeout for m in moe_layers(a)} == {3.0}
-    assert {m.ep_timeout for m in moe_layers(b)} == {DEFAULT_TIMEOUT}
+    assert set_timeout(a, 3) == 2 and {m.dispatcher.timeout for m in moe_layers(a)} == {3.0}
+    assert {m.dispatcher.timeout for m in moe_layers(b)} == {DEFAULT_TIMEOUT}
     with pytest.raises(ValueError, match="the expert all-to-all timeout must be positive, got 0.0"):
         set_timeout(a, 0)
 
 
 def test_a_gate_built_on_its_own_is_initialised():
-    """MoE(config) outside the model used to route on torch.empty memory (NaN after reuse)."""
-    from mt_dualpipe.models.deepseek_v3.moe import MoE
+    """moe_block(config) outside the model used to route on torch.empty memory (NaN after reuse)."""
 
     config = DeepSeekV3Config.preset("tiny")
     for _ in range(3):
-        w = MoE(config).gate.weight.detach()
+        w = moe_block(config).gate.weight.detach()
         assert torch.isfinite(w).all() and w.std() > 0
         assert w.abs().max() <= 1 / config.dim ** 0.5  # nn.Linear's default bound
 

@@ -35,7 +35,7 @@ def saved(tmp_path):
     with torch.no_grad():
         for block in model.layers.values():
             if block.is_moe:
-                block.ffn.gate.bias.normal_()  # a trained correction bias, so its mapping is checked
+                block.ffn.gate.e_score_correction_bias.normal_()  # a trained correction bias, so its mapping is checked
     model.save_pretrained(tmp_path, max_shard_size=200_000)
     return config, model, tmp_path
 
@@ -222,5 +222,5 @@ def test_bf16_checkpoint_keeps_the_router_in_float32_and_loads_into_float32(save
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = DeepSeekV3Model.from_pretrained(tmp_path / "bf16")
     for k, v in model.state_dict().items():
-        want = v if k.endswith(("gate.weight", "gate.bias")) else v.bfloat16().float()
+        want = v if k.endswith(("gate.weight", "gate.e_score_correction_bias")) else v.bfloat16().float()
         assert back.state_dict()[k].dtype == torch.float32 and torch.equal(back.state_dict()[k], want), k

@@ -66,7 +66,7 @@ def test_dispatch_combine_equals_a_dense_loop_over_experts():
     assert sum(plan.expert_rows) == 26 and torch.equal(routing.indices.flatten()[plan.pair_of].sort().values,
                                                         routing.indices.flatten()[plan.pair_of])
     outs = torch.cat([e(c) for e, c in zip(experts, rows.split(plan.expert_rows))])
-    got = d.combine(outs, routing, plan, 13)
+    got = d.combine(outs, routing, plan)
     want = torch.stack([sum(routing.weights[t, j] * experts[int(routing.indices[t, j])](x[t])
                             for j in range(2)) for t in range(13)])
     assert relative_error(got, want) < 1e-14

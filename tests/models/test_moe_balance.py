@@ -1,18 +1,18 @@
 """The shared layer's MoE routing and balancing: transformers' load-balancing loss for softmax routers
-(Qwen3-MoE's ``output_router_logits``), and DeepSeek-V3's sigmoid group-limited scoring as a router
-plugged into ``layers.MoEBlock``."""
+(Qwen3-MoE's ``output_router_logits``), and DeepSeek-V3's MoE as ``layers.MoEBlock`` with its
+sigmoid group-limited router, against transformers' ``DeepseekV3MoE``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mt_dualpipe.layers import Dispatcher, MoEBlock, SigmoidGroupLimitedRouter, SoftmaxTopKRouter
+from mt_dualpipe.layers import GroupLimitedRouter, MoEBlock, SoftmaxTopKRouter
 from mt_dualpipe.layers.balance import switch_balance_loss
 from mt_dualpipe.layers.router import group_limited_topk
 from mt_dualpipe.models import from_pretrained
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config
-from mt_dualpipe.models.deepseek_v3.moe import Gate
+from mt_dualpipe.models.deepseek_v3.moe import moe_block
 from mt_dualpipe.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from tests.helpers.hf_reference import float64_transformers, randomize, relative_error
 
@@ -124,29 +124,41 @@ def test_several_moe_layers_average_their_per_layer_losses(tmp_path):
     assert abs(torch.stack(per_layer).mean() - out.aux_loss) > 1e-6  # the two conventions do differ here
 
 
-def test_sigmoid_group_limited_router_routes_as_deepseek_v3s_gate():
-    """DeepSeek-V3's scoring plugged into the shared layer: the same expert ids and gate weights as the
-    DeepSeek family's own ``Gate`` (bias, 4 groups of which 2 kept, route scale 2.5)."""
+def test_deepseek_v3s_moe_block_equals_transformers_deepseek_v3_moe():
+    """DeepSeek-V3's MoE is the shared ``MoEBlock`` with a ``GroupLimitedRouter`` (sigmoid, bias, 4 groups of
+    which 2 kept, route scale 2.5, one shared expert): the same expert ids and output as transformers'
+    ``DeepseekV3MoE`` with the same weights (float64)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
     config = DeepSeekV3Config.preset("tiny")
+    hf_cfg = transformers.DeepseekV3Config(**{k: v for k, v in config.to_hf().items() if k != "quantization_config"},
+                                           experts_implementation="eager")
     torch.manual_seed(0)
-    gate = Gate(config).double()
-    gate.bias.copy_(torch.randn(16, dtype=torch.float64) * 0.1)
-    ours = SigmoidGroupLimitedRouter(256, 16, 4, n_groups=4, topk_groups=2, route_scale=2.5).double()
+    ours = moe_block(config).double().eval()
+    assert isinstance(ours, MoEBlock) and isinstance(ours.gate, GroupLimitedRouter)
     with torch.no_grad():
-        ours.weight.copy_(gate.weight)
-        ours.e_score_correction_bias.copy_(gate.bias)
-    x = torch.randn(50, 256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for p in ours.parameters():
+            torch.nn.init.normal_(p, 0.0, 0.05)
+        ours.gate.e_score_correction_bias.copy_(torch.randn(16, dtype=torch.float64) * 0.1)
+    with float64_transformers():
+        hf = DeepseekV3MoE(hf_cfg).double().eval()
+        with torch.no_grad():
+            hf.gate.weight.copy_(ours.gate.weight)
+            hf.gate.e_score_correction_bias.copy_(ours.gate.e_score_correction_bias)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(hf.shared_experts, name).weight.copy_(getattr(ours.shared_experts, name).weight)
+            for i, expert in ours.experts.items():
+                hf.experts.gate_up_proj[int(i)].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+                hf.experts.down_proj[int(i)].copy_(expert.down_proj.weight)
+        h = torch.randn(3, 10, config.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            _, _, want_ids = hf.gate(h)
+            want = hf(h)
     with torch.no_grad():
-        w, idx, scores = gate(x)
-        got = ours(x)
-    assert torch.equal(got.indices, idx)
-    assert torch.equal(got.weights, w) and torch.equal(got.scores, scores)
-    # only 2 of the 4 groups are used by each token
-    assert max(len(set(r.tolist())) for r in idx // 4) <= 2
-    # in a MoEBlock (local dispatch): the router plugs in without touching dispatch, experts or combine
-    block = MoEBlock(256, 32, ours).double()
-    assert isinstance(block.dispatcher, Dispatcher) and not block.dispatcher.communicates
-    assert block(x.view(5, 10, 256)).shape == (5, 10, 256)
+        got = ours.gate(h.flatten(0, 1))
+        assert torch.equal(got.indices.sort(-1).values, want_ids.sort(-1).values)
+        assert max(len(set(r.tolist())) for r in got.indices // 4) <= 2  # only 2 of the 4 groups per token
+        assert relative_error(ours(h), want) < 1e-12
 
 
 def test_group_limited_topk_keeps_the_best_groups_and_refuses_an_unknown_score():
@@ -157,7 +169,7 @@ def test_group_limited_topk_keeps_the_best_groups_and_refuses_an_unknown_score()
     with pytest.raises(ValueError, match="group_score must be 'top2' or 'max'"):
         group_limited_topk(choice, 2, 4, 1, "sum")
     with pytest.raises(ValueError, match=r"n_group \(3\) must divide n_routed_experts \(8\)"):
-        SigmoidGroupLimitedRouter(4, 8, 2, n_groups=3)
+        GroupLimitedRouter(4, 8, 2, n_groups=3)
 
 
 def test_balance_loss_is_off_by_default_and_in_evaluation():
@@ -172,33 +184,3 @@ def test_balance_loss_is_off_by_default_and_in_evaluation():
     block(x)
     assert block.last_balance_loss is not None and block.last_balance_loss.item() > 0
     assert Qwen3MoeConfig.preset("tiny").balance_coef == 0.0
-
-
-def test_deepseek_v3s_own_gate_drives_the_shared_moe_block_as_its_moe():
-    """The DeepSeek family's ``Gate`` is a shared-layer ``Router``: plugged into ``layers.MoEBlock`` with the
-    same expert weights, the block's output equals the family's ``MoE`` (float64, shared expert included)."""
-    from mt_dualpipe.layers import Router
-    from mt_dualpipe.models.deepseek_v3.moe import MoE
-
-    config = DeepSeekV3Config.preset("tiny")
-    torch.manual_seed(0)
-    ds = MoE(config).double().eval()
-    ds.gate.bias.copy_(torch.randn(16, dtype=torch.float64) * 0.1)
-    for p in ds.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.05)
-    gate = Gate(config).double()
-    assert isinstance(gate, Router)
-    gate.load_state_dict(ds.gate.state_dict())
-    block = MoEBlock(config.dim, config.moe_inter_dim, gate,
-                     shared_intermediate=config.n_shared_experts * config.moe_inter_dim).double().eval()
-    with torch.no_grad():
-        for i, expert in block.experts.items():
-            mine = ds.experts[i]
-            expert.gate_proj.weight.copy_(mine.gate_proj.weight)
-            expert.up_proj.weight.copy_(mine.up_proj.weight)
-            expert.down_proj.weight.copy_(mine.down_proj.weight)
-        block.shared_expert.gate_proj.weight.copy_(ds.shared_experts.gate_proj.weight)
-        block.shared_expert.up_proj.weight.copy_(ds.shared_experts.up_proj.weight)
-        block.shared_expert.down_proj.weight.copy_(ds.shared_experts.down_proj.weight)
-        h = torch.randn(3, 10, config.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-        assert relative_error(block(h), ds(h)) < 1e-12

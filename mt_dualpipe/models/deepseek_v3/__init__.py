@@ -25,6 +25,16 @@ Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3
 """
 
 from ...layers.expert_parallel import fresh_mesh_group, mesh_ep_group
+from ...layers.moe_state import (
+    dropped_fraction,
+    mark_expert_weights,
+    max_violation,
+    moe_layers,
+    set_aux_loss_scale,
+    set_ep_group,
+    set_timeout,
+    update_expert_bias,
+)
 from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
 from .config import DeepSeekV3Config
 from .layout import parse_layout, stage_layer_ids
@@ -38,7 +48,7 @@ from .model import (
     mtp_targets,
     step_normalizers,
 )
-from .moe import MoE, dropped_fraction, mark_expert_weights, max_violation, set_aux_loss_scale, update_expert_bias
+from .moe import moe_block
 from .stages import (
     DeepSeekV3Stage,
     build_stages,
@@ -53,11 +63,11 @@ from .stages import (
 from .yarn import YarnScaling
 
 __all__ = [
-    "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule", "MoE",
+    "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule",
     "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
     "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
-    "mtp_targets", "parse_layout", "set_aux_loss_scale", "share_local_embedding", "stage_layer_ids",
-    "stages_for_rank",
+    "moe_block", "moe_layers", "mtp_targets", "parse_layout", "set_aux_loss_scale", "set_ep_group", "set_timeout",
+    "share_local_embedding", "stage_layer_ids", "stages_for_rank",
     "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
     "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",
 ]

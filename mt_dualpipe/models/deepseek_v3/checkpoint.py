@@ -63,7 +63,7 @@ def load_weights(module: nn.Module, checkpoint: PathLike | Checkpoint, config: D
     ckpt = open_checkpoint(checkpoint)
     _check_mtp(ckpt, module, config)
     to_hf = _namer(config)
-    absent_bias = {k for k in module.state_dict() if k.endswith("gate.bias") and to_hf(k) not in ckpt
+    absent_bias = {k for k in module.state_dict() if k.endswith("gate.e_score_correction_bias") and to_hf(k) not in ckpt
                    and config.topk_method != "noaux_tc"}
     with torch.no_grad():
         for k in absent_bias:

@@ -18,7 +18,7 @@ from .config import DeepSeekV3Config
 _PARTS = {
     "attn": "self_attn", "ffn": "mlp", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj", "wq": "q_proj", "wkv_a": "kv_a_proj_with_mqa",
-    "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj", "bias": "e_score_correction_bias",
+    "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj",
 }
 _PARTS_BACK = {v: k for k, v in _PARTS.items()}
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",

@@ -15,14 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layers.common import deferred_init
+from ...layers.common import Elements, deferred_init
 from ...layers.documents import check_document_labels, check_position_ids, document_ids
 from ...layers.head import lm_loss, step_normalizer
+from ...layers.moe import MoEBlock
+from ...layers.router import Router
 from ..hf_checkpoint import DEFAULT_SHARD_BYTES
 from .checkpoint import build_loaded, hf_state_dict, open_checkpoint, save_weights
 from .config import DeepSeekV3Config
 from .mla import MLA, RMSNorm
-from .moe import Gate, MoE, mlp
+from .moe import mlp, moe_block
 
 
 class Block(nn.Module):
@@ -35,12 +37,12 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.attn = MLA(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.ffn = MoE(config, ep_group) if config.is_moe_layer(layer_id) else \
+        self.ffn = moe_block(config, ep_group) if config.is_moe_layer(layer_id) else \
             mlp(config.dim, config.inter_dim, config.saves("swiglu"))
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoE)
+        return isinstance(self.ffn, MoEBlock)
 
     def attention(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # "selective" recomputes MLA.attend (mla.py) in backward; position_ids: packed documents
@@ -52,7 +54,7 @@ class Block(nn.Module):
         expert (never the router or the dispatch/combine all-to-alls)."""
         if policy == "selective":
             yield self.attn, "attend", "latent_attention"
-        elif policy == "full" and not isinstance(self.ffn, MoE):
+        elif policy == "full" and not isinstance(self.ffn, MoEBlock):
             yield self, "forward", "block"
         elif policy == "full":
             yield self, "attention", "attention"
@@ -64,6 +66,26 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attention(x, position_ids)
         return x + self.ffn(self.ffn_norm(x))
+
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """What the block keeps per token (activation-dtype elements), its modules' declarations put together
+        along ``recompute_regions``: "full" keeps a dense block's input, or a MoE block's attention sublayer's
+        input with the FFN norm, the routing, dispatch and combine and the experts' inputs; otherwise the two
+        norms, MLA and the FFN, the MoE told whether its norm keeps only its input (the ``"router"`` saver then
+        rebuilds the router's input from it)."""
+        h = self.attn_norm.weight.numel()
+        if policy == "full" and not self.is_moe:
+            return {"input": h}
+        norm_recomputed = self.ffn_norm.recompute
+        if policy == "full":
+            ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed, experts_recomputed=True)
+            return {"attention_input": h, "ffn_norm": sum(self.ffn_norm.saved_per_token("none", seq).values()),
+                    **{f"ffn.{n}": v for n, v in ffn.items()}}
+        ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed) if self.is_moe \
+            else self.ffn.saved_per_token(policy, seq)
+        parts = {"attn_norm": self.attn_norm, "attn": self.attn, "ffn_norm": self.ffn_norm}
+        kept = {name: sum(m.saved_per_token(policy, seq).values()) for name, m in parts.items()}
+        return {**kept, **{f"ffn.{n}": v for n, v in ffn.items()}}
 
 
 class MTPModule(nn.Module):
@@ -88,6 +110,18 @@ class MTPModule(nn.Module):
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), position_ids)
+
+    def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
+        """This depth's own tensors per token (activation-dtype elements) and its block's: the two input norms
+        (the hidden half's input is the previous head's norm output, kept by that head already), the
+        projection's input and the output norm (the shared head and the loss are ``head_saved_per_token``'s)."""
+        e = Elements(self.proj)
+        hnorm = self.hnorm.saved_per_token(policy, seq)
+        return {"enorm": sum(self.enorm.saved_per_token(policy, seq).values()),
+                "hnorm": sum(v for n, v in hnorm.items() if n != "input"),
+                "proj_input": e.linear_input(self.proj, 2 * self.proj.out_features),
+                "norm": sum(self.norm.saved_per_token(policy, seq).values()),
+                **{f"block.{n}": v for n, v in self.block.saved_per_token(policy, seq).items()}}
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, keep_logits: bool = False,
@@ -184,11 +218,20 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     return LossParts(total, main, mtp_losses)
 
 
+def head_saved_per_token(hidden: int, vocab: int, keep_logits: bool, itemsize: int) -> dict[str, float]:
+    """What the head and one cross-entropy keep per token, in elements of an ``itemsize``-byte activation dtype:
+    the head's input (never FP8), the float32 log-probabilities (the model-dtype logits with the ``"loss"``
+    saver, ``keep_logits``) and the target id; the final norm before it is an ``RMSNorm``'s to declare."""
+    compute = 8 if itemsize == 8 else 4
+    return {"head_input": hidden, "log_probs": vocab if keep_logits else vocab * compute / itemsize,
+            "target": 8 / itemsize}
+
+
 def init_weights(module: nn.Module, std: float) -> None:
     """Normal(0, std) for every projection, embedding and gate (report §4.2), an embedding's padding row zero
     (transformers'); norms stay at one."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding, Gate)) and not m.weight.is_meta:  # meta: shapes only
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)) and not m.weight.is_meta:  # meta: shapes only
             nn.init.normal_(m.weight, 0.0, std)
             if isinstance(m, nn.Embedding) and m.padding_idx is not None:
                 with torch.no_grad():

@@ -10,7 +10,7 @@ Replicas of one weight, and who sums them: a stage that holds the embedding decl
 that weight (first and last stage, on any rank; a parameter two local stages share counts once) and
 DualPipe's mirrored stage copies once per
 step, and with ``mesh=`` also averages the data/expert-parallel replicas in the same pass (routed
-experts are weight kind "expert": reduced over dp only, ``moe.mark_expert_weights``).
+experts are weight kind "expert": reduced over dp only, ``layers.moe_state.mark_expert_weights``).
 ``sync_expert_load`` sums the routed-token counts the auxiliary-loss-free bias update reads, over
 every rank that routes tokens through a layer. ``sync_replicas`` is the older by-name sum, for
 loops that run stage modules without a ``Pipeline``.
@@ -43,6 +43,7 @@ from torch import nn
 from ...fp8 import convert_to_fp8
 from ...layers.documents import check_position_ids, criterion_inputs, hand_on
 from ...layers.expert_parallel import mesh_ep_group
+from ...layers.moe_state import mark_expert_weights
 from ...layers.replicas import parameter_grads, sum_copies
 from ...parallel.device import collective_device
 from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
@@ -65,7 +66,6 @@ from .model import (
     init_weights,
     language_model_losses,
 )
-from .moe import mark_expert_weights
 from .stage_balance import balanced_layout
 
 

@@ -31,7 +31,7 @@ def declared_saved(config: LlamaConfig) -> Callable[[str, str, int], float]:
         with torch.device("meta"):
             return LlamaDecoderLayer(config)
 
-    def per_token(kind: str, policy: str, seq: int) -> float:
+    def per_token(kind: str, policy: str, seq: int, t: object = None) -> float:
         if kind != "dense":
             raise ValueError(f"a Llama layer is dense, not {kind!r}")
         kept_input = config.hidden_size if policy == "full" else 0  # a fully recomputed layer keeps its input

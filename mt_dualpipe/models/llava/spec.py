@@ -125,7 +125,7 @@ def declared_saved(config: LlavaConfig) -> Callable[[str, str, int], float]:
         with torch.device("meta"):
             return LlamaDecoderLayer(config.text, 0)
 
-    def per_token(kind: str, policy: str, seq: int) -> float:
+    def per_token(kind: str, policy: str, seq: int, t: object = None) -> float:
         kept_input = config.text.hidden_size if policy == "full" else 0  # a fully recomputed layer keeps its input
         return float(saved_elements_per_token(layer(), policy, seq) + kept_input)
 

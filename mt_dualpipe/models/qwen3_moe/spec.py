@@ -36,7 +36,7 @@ def declared_saved(config: Qwen3MoeConfig):
         with torch.device("meta"):
             return Qwen3MoeDecoderLayer(config, index)
 
-    def per_token(kind: str, policy: str, seq: int) -> float:
+    def per_token(kind: str, policy: str, seq: int, t: object = None) -> float:
         kept_input = config.hidden_size if policy == "full" else 0  # a fully recomputed layer keeps its input
         return float(saved_elements_per_token(layer(kind), policy, seq) + kept_input)
 
