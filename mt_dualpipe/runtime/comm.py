@@ -44,6 +44,7 @@ Every rank closed its link in a failed step, so every rank opens a fresh one in 
 from __future__ import annotations
 
 import datetime
+import time
 import weakref
 import zlib
 from collections import deque
@@ -67,6 +68,11 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         DTYPES.append(getattr(torch, _name))
 _CODE = {d: i for i, d in enumerate(DTYPES)}
+BOARD_GRACE = 2.0
+"""Seconds a rank whose wait broke polls the board for the failing rank's line before raising its own error: a
+wait can break on a peer's failure before that peer's line is readable (a rank closes its link as soon as its
+own wait breaks, which can be before the rank that failed first has written), and without the line every rank
+but the failing one would raise a bare communication error."""
 
 Meta = tuple  # per tensor: (dtype, shape) or None
 
@@ -244,6 +250,10 @@ class P2P:
             return exc
         if isinstance(exc, Exception) and (self.refused or not self.link.is_open):
             reports = self.link.reports(self.steps)
+            deadline = time.monotonic() + BOARD_GRACE
+            while not reports and not self.refused and time.monotonic() < deadline:
+                time.sleep(0.01)
+                reports = self.link.reports(self.steps)
             if not reports:
                 return exc
             rank = min(reports)
