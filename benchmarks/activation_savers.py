@@ -44,7 +44,7 @@ def measured(cfg: DeepSeekV3Config) -> list[float]:
     torch.manual_seed(0)
     stage = build_stages(cfg, 1, source=DeepSeekV3Model(cfg), fp8=True)[0].to(torch.bfloat16)
     out = []
-    for layer in stage.layers.values():
+    for layer in stage.model.layers.values():
         weights = [t for m in layer.modules() if isinstance(m, FP8Linear)
                    for t in (m.quantized_weight().data, m.quantized_weight().scale)]
         meter = SavedActivationMeter(exclude=list(layer.parameters()) + weights)

@@ -66,6 +66,7 @@ class DecoderStage(nn.Module):
     ``self.model`` (and ``self.lm_head`` on an untied last stage) and end with ``self.finish_init(...)``."""
 
     embedding_name = "model.embed_tokens.weight"  # the tied copy's FQN (LLaVA: under model.language_model)
+    extras: tuple[str, ...] = ()  # modules the last stage holds besides the head (DeepSeek-V3: "mtp")
 
     def __init__(self, config: Any, index: int, num_stages: int) -> None:
         super().__init__()
@@ -77,13 +78,18 @@ class DecoderStage(nn.Module):
         self.loss_fn: Callable[..., torch.Tensor] = lm_loss  # compile= may swap in a compiled copy
 
     @property
+    def last_reads_embedding(self) -> bool:
+        """Whether the last stage reads the embedding too: a tied head (DeepSeek-V3: its MTP depths)."""
+        return bool(self.config.tie_word_embeddings)
+
+    @property
     def holds_embedding(self) -> bool:
-        """The first stage embeds; with tied embeddings the last holds a copy for the head."""
-        return self.is_first or (self.is_last and bool(self.config.tie_word_embeddings))
+        """The first stage embeds; where the last reads the embedding too it holds a copy."""
+        return self.is_first or (self.is_last and self.last_reads_embedding)
 
     def finish_init(self, defer_weight_grads: bool) -> None:
         """Declare the tied embedding copy (a stage of a multi-stage chain holding it) and defer W."""
-        tied = bool(self.config.tie_word_embeddings) and self.num_stages > 1 and self.holds_embedding
+        tied = self.last_reads_embedding and self.num_stages > 1 and self.holds_embedding
         self.tied_parameters: tuple[str, ...] = (self.embedding_name,) if tied else ()
         if defer_weight_grads:
             _defer_weight_grads(self)

@@ -2,11 +2,11 @@
 
 ``"none"`` keeps every activation autograd saves. ``"selective"`` recomputes the cheap, memory-heavy
 pieces in backward. For DeepSeek-V3 that is MLA from its latents (``MLA.attend``: the q/kv latents'
-RMSNorms, the up-projections ``wq_b`` / ``wkv_b``, RoPE and the core attention), the production
-choice of the report (§3.2.3): per layer, the attention keeps its input and ``attn_norm``'s
+RMSNorms, the up-projections ``q_b_proj`` / ``kv_b_proj``, RoPE and the core attention), the production
+choice of the report (§3.2.3): per layer, the attention keeps its input and ``input_layernorm``'s
 statistics, the normed input (the down-projections' input, needed for their weight gradients), the
-two latents (``wq_a``'s output and ``wkv_a``'s kv latent + rotary key) and the core's output (``wo``'s
-input) — not q, k, v (n_heads x (2 qk_head_dim + v_head_dim) per token) nor the probabilities; the
+two latents (``q_a_proj``'s output and ``kv_a_proj_with_mqa``'s kv latent + rotary key) and the core's
+output (``o_proj``'s input) — not q, k, v (n_heads x (2 qk_head_dim + v_head_dim) per token) nor the probabilities; the
 FFN / MoE keeps what it keeps under ``"none"``. For the families on the shared layer (Llama, Qwen3-MoE)
 it recomputes the core attention (``layers.attention.GQAttention.core``: QKᵀ, softmax, ·V — its S×S
 probabilities dominate) and each SwiGLU product (``layers.mlp.SwiGLUMLP.act``), as Megatron's selective

@@ -20,7 +20,7 @@ the modules hand autograd (``layers/{mla,moe,router,mlp,norm}.py``; the policies
   softmax probabilities in the compute dtype (float32; a model-dtype copy as well when the model is
   not float32), the repeated/contiguous v, and the causal mask (one bool per key per sequence).
 - **RoPE**: cos and sin of the sequence (compute dtype), shared by every head of the layer.
-- **MLA**: the wkv_a output (latent + decoupled rope key, the kv RMSNorm input), the q and kv
+- **MLA**: the kv_a_proj_with_mqa output (latent + decoupled rope key, the kv RMSNorm input), the q and kv
   latents' norms and the up-projections' inputs.
 - **SwiGLU** (dense FFN, each expert, shared experts): the gate and up products and silu(gate)
   (model dtype), and the down-projection's input. A **GeLU MLP** (``use_swiglu: false``, GPT-style)
@@ -206,8 +206,9 @@ class Attention:
 
 
 def mla_readers(a: Attention, t: Dtypes) -> int:
-    """FP8 copies of MLA's input: one per down-projection (``wq_a``, ``wkv_a``), one shared by both with the
-    ``"mla_input"`` saver (``MLA.latents``; without a query LoRA ``wq`` and ``wkv_a`` keep one each)."""
+    """FP8 copies of MLA's input: one per down-projection (``q_a_proj``, ``kv_a_proj_with_mqa``), one shared by
+    both with the ``"mla_input"`` saver (``MLA.latents``; without a query LoRA ``q_proj`` and
+    ``kv_a_proj_with_mqa`` keep one each)."""
     return 1 if t.saves("mla_input") and a.q_lora else 2
 
 
@@ -216,7 +217,7 @@ def mla_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> fl
     h = a.hidden
     if recompute == "full":
         return h * t.elem
-    # v is a slice of wkv_b's output: with one sequence per micro-batch the einsum reads it as a view
+    # v is a slice of kv_b_proj's output: with one sequence per micro-batch the einsum reads it as a view
     # (the whole k_nope|v buffer stays), with more it copies v out
     flash = t.fused_attention or t.saves("attention")
     v_store = a.heads * (a.dv + (a.dqk - a.rope_dim if mbs == 1 and not flash else 0))
@@ -230,14 +231,14 @@ def mla_saved(a: Attention, seq: int, mbs: int, t: Dtypes, recompute: str) -> fl
     proj = rms_norm(h, t) + t.linear_input(h, mla_readers(a, t)) + rope(a.rope_dim, mbs, t)  # q/kv down-projections
     if a.q_lora:
         proj += rms_norm(a.q_lora, t) + a.q_lora * t.lin
-    # the kv norm reads the latent slice of wkv_a's output: a float32 model saves that view (the whole
+    # the kv norm reads the latent slice of kv_a_proj_with_mqa's output: a float32 model saves that view (the whole
     # latent|rope buffer's storage), another model the slice's float32 copy
     # (with the "norm" saver the norm keeps that view: the whole buffer)
     if t.saves("norm"):
         proj += (a.kv_lora + a.rope_dim) * t.elem + a.kv_lora * t.lin
         return proj + kept
     kv_in = (a.kv_lora + a.rope_dim) * t.elem if t.elem == t.comp else a.kv_lora * t.comp
-    proj += kv_in + a.kv_lora * t.comp + t.comp + a.kv_lora * t.lin  # kv norm, wkv_b's input
+    proj += kv_in + a.kv_lora * t.comp + t.comp + a.kv_lora * t.lin  # kv norm, kv_b_proj's input
     return proj + kept
 
 

@@ -105,8 +105,8 @@ def test_tiny_deepseek_v3_fp8_loss_within_half_a_percent_of_fp32():
     config = DeepSeekV3Config.preset("tiny", n_layers=2, vocab_size=256, max_seq_len=64)
     model = DeepSeekV3Model(config)
     fp8_model = convert_to_fp8(copy.deepcopy(model), backend="emulated")
-    assert type(fp8_model.head) is nn.Linear and not isinstance(fp8_model.embed, FP8Linear)
-    assert any(isinstance(m, FP8Linear) for m in fp8_model.layers.modules())
+    assert type(fp8_model.lm_head) is nn.Linear and not isinstance(fp8_model.model.embed_tokens, FP8Linear)
+    assert any(isinstance(m, FP8Linear) for m in fp8_model.model.layers.modules())
     data = _data(vocab=256, batch=4, noise=0.0)
 
     def loss_fn(m: nn.Module, t: torch.Tensor) -> torch.Tensor:

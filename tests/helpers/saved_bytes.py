@@ -39,8 +39,7 @@ def stages(kind: str, policy: str) -> list[torch.nn.Module]:
 
 
 def layers(stage: torch.nn.Module) -> list[torch.nn.Module]:
-    body = getattr(stage, "model", stage)  # Llama stages keep their layers under ``model``
-    return list(body.layers.values())
+    return list(stage.model.layers.values())
 
 
 def saved_parameter_bytes(module: torch.nn.Module, run) -> int:

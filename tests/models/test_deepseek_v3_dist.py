@@ -42,7 +42,7 @@ def make_batch(config, batch, seq, seed):
 def _ep_worker(rank, world, savers=""):
     config = small_config(balance_loss_weight=0.0, memory_savers=savers)
     torch.manual_seed(0)
-    full = DeepSeekV3Model(config).layers["1"].ffn
+    full = DeepSeekV3Model(config).model.layers["1"].mlp
     shard = moe_block(config, ep_group=dist.group.WORLD)
     shard.load_state_dict({k: v for k, v in full.state_dict().items() if k in shard.state_dict()})
     assert len(shard.experts) == config.n_routed_experts // world
@@ -109,8 +109,8 @@ def _pipeline_worker(rank, world, schedule, num_mb, layout, savers=""):
     mods = stages_for_rank(config, sched, rank, layout, source=model)
     # a rank holding the first stage and the last (MTP) has one embedding: one Parameter for both uses, whose
     # gradient (checked below against the single model's) is the sum of the two; elsewhere copies, tied
-    holders = [m for m in mods if hasattr(m, "embed")]
-    shared = len(holders) == 2 and holders[0].embed is holders[1].embed
+    holders = [m for m in mods if hasattr(m.model, "embed_tokens")]
+    shared = len(holders) == 2 and holders[0].model.embed_tokens is holders[1].model.embed_tokens
     assert shared or len(holders) < 2
     pipe = (DualPipe if schedule == "dualpipe" else DualPipeV)(tuple(mods), timeout=60)
     first = [c for c, ranks in enumerate(sched.placement) if ranks[0] == rank]

@@ -204,11 +204,11 @@ def test_mtp_follows_the_released_convention():
     nxt = tokens(seed=9)
     mtp = model.mtp[0]
     with torch.no_grad():
-        h = model.norm(model.hidden(x))[:, :-1]
-        emb = model.embed(nxt[:, :-1])
-        w = mtp.proj.weight
+        h = model.model.norm(model.hidden(x))[:, :-1]
+        emb = model.model.embed_tokens(nxt[:, :-1])
+        w = mtp.eh_proj.weight
         proj = mtp.enorm(emb) @ w[:, :32].T + mtp.hnorm(h) @ w[:, 32:].T
-        want = model.head(mtp.norm(mtp.block(proj)))
+        want = model.lm_head(mtp.shared_head.norm(mtp.block(proj)))
         (got,) = model.mtp_logits(x, nxt)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

@@ -48,13 +48,13 @@ def test_stages_declare_the_tied_embedding_and_mark_routed_experts():
     full = DeepSeekV3Model(config)
     stages = build_stages(config, 3, [2, 1, 1], source=full)
     # the MTP modules read the main embedding: the first and the last stage hold copies of it, the middle none
-    assert [st.tied_parameters for st in stages] == [("embed.weight",), (), ("embed.weight",)]
+    assert [st.tied_parameters for st in stages] == [("model.embed_tokens.weight",), (), ("model.embed_tokens.weight",)]
     no_mtp = build_stages(small_config(mtp_depth=0), 2, [2, 2])  # only the first stage embeds: nothing to tie
     assert [st.tied_parameters for st in no_mtp] == [(), ()]
     for fp8 in (False, True):  # FP8 conversion replaces the linears: the marks are set again
         for st in build_stages(config, 2, [2, 2], source=full, fp8=fp8):
             kinds = {name: weight_kind(p) for name, p in st.named_parameters()}
-            experts = [n for n in kinds if ".ffn.experts." in n]
+            experts = [n for n in kinds if ".mlp.experts." in n]
             assert experts and all(kinds[n] == "expert" for n in experts)
             assert all(k == "dense" for n, k in kinds.items() if n not in experts)  # gate, shared experts too
 
@@ -63,8 +63,8 @@ def test_expert_load_names_are_the_models_buffers():
     config = small_config()
     model = DeepSeekV3Model(config)
     assert expert_load_names(config) == [n for n, _ in model.named_buffers() if n.endswith("gate.load")]
-    assert expert_load_names(config) == ["layers.1.ffn.gate.load", "layers.2.ffn.gate.load",
-                                         "layers.3.ffn.gate.load", "mtp.0.block.ffn.gate.load"]
+    assert expert_load_names(config) == ["model.layers.1.mlp.gate.load", "model.layers.2.mlp.gate.load",
+                                         "model.layers.3.mlp.gate.load", "mtp.0.block.mlp.gate.load"]
 
 
 def test_sync_expert_load_without_a_mesh_sums_this_ranks_copies_only():

@@ -48,10 +48,11 @@ def test_671b_parameter_counts_on_meta_device():
     assert abs(main - 671e9) / 671e9 < 0.01, main
     assert abs(mtp - 11.6e9) / 11.6e9 < 0.01, mtp
     # 58 MoE layers of 256 routed + 1 shared SwiGLU experts of width 2048, 3 dense layers of width 18432
-    layer = model.layers["3"]
-    assert len(layer.ffn.experts) == 256 and layer.ffn.gate.weight.shape == (256, 7168)
-    assert model.layers["2"].ffn.gate_proj.weight.shape == (18432, 7168)
-    assert layer.attn.wq_b.weight.shape == (128 * 192, 1536) and layer.attn.wkv_a.weight.shape == (512 + 64, 7168)
+    layer = model.model.layers["3"]
+    assert len(layer.mlp.experts) == 256 and layer.mlp.gate.weight.shape == (256, 7168)
+    assert model.model.layers["2"].mlp.gate_proj.weight.shape == (18432, 7168)
+    attn = layer.self_attn
+    assert attn.q_b_proj.weight.shape == (128 * 192, 1536) and attn.kv_a_proj_with_mqa.weight.shape == (512 + 64, 7168)
 
 
 def test_config_presets_and_errors():
@@ -70,10 +71,10 @@ def test_mla_is_causal_with_one_rotary_key_for_all_heads():
     config = small_config()
     torch.manual_seed(0)
     model = DeepSeekV3Model(config)
-    attn = model.layers["0"].attn
+    attn = model.model.layers["0"].self_attn
     # the compressed KV latent plus a single rope key (not one per head)
-    assert attn.wkv_a.weight.shape == (config.kv_lora_rank + config.qk_rope_head_dim, config.dim)
-    assert attn.wkv_b.weight.shape == (config.n_heads * (config.qk_nope_head_dim + config.v_head_dim),
+    assert attn.kv_a_proj_with_mqa.weight.shape == (config.kv_lora_rank + config.qk_rope_head_dim, config.dim)
+    assert attn.kv_b_proj.weight.shape == (config.n_heads * (config.qk_nope_head_dim + config.v_head_dim),
                                        config.kv_lora_rank)
     x, _ = make_batch(config)
     x2 = x.clone()
@@ -106,7 +107,7 @@ def test_gate_group_limited_topk_and_normalised_weights():
 
 def test_bias_update_moves_against_the_load():
     model = DeepSeekV3Model(small_config())
-    gate = model.layers["1"].ffn.gate
+    gate = model.model.layers["1"].mlp.gate
     gate.load.copy_(torch.arange(16.0))  # expert 0 idle ... expert 15 busiest; mean 7.5
     update_expert_bias(model, speed=0.01)
     assert (gate.e_score_correction_bias[:8] == 0.01).all() and (gate.e_score_correction_bias[8:] == -0.01).all()
@@ -148,9 +149,9 @@ def test_balance_loss_gradient_reaches_the_gate():
     x, y = make_batch(config)
     model(x, y).backward()
     no_aux(x, y).backward()
-    g, g0 = model.layers["1"].ffn.gate.weight.grad, no_aux.layers["1"].ffn.gate.weight.grad
+    g, g0 = model.model.layers["1"].mlp.gate.weight.grad, no_aux.model.layers["1"].mlp.gate.weight.grad
     assert not torch.allclose(g, g0)
-    torch.testing.assert_close(model.head.weight.grad, no_aux.head.weight.grad)  # value of the loss unchanged
+    torch.testing.assert_close(model.lm_head.weight.grad, no_aux.lm_head.weight.grad)  # value of the loss unchanged
 
 
 # ----- multi-token prediction ---------------------------------------------------------------------------------
@@ -256,7 +257,8 @@ def test_overlapped_forward_backward_is_bit_identical(last, savers):
             else:
                 torch.autograd.backward(outputs1, grads1)
         extra = h1_in.grad.clone() if last else None
-        results.append((outputs0[0].detach(), _grads([first, second]), extra, first.layers["1"].ffn.gate.load.clone()))
+        load = first.model.layers["1"].mlp.gate.load.clone()
+        results.append((outputs0[0].detach(), _grads([first, second]), extra, load))
     (o_a, g_a, e_a, l_a), (o_b, g_b, e_b, l_b) = results
     assert torch.equal(o_a, o_b)
     assert g_a.keys() == g_b.keys() and len(g_a) > 10
@@ -319,7 +321,7 @@ def test_aux_loss_scale_and_ep_timeout_are_per_model():
         set_aux_loss_scale(a, scale)
         a.zero_grad()
         a(x, y).backward()
-        grads.append(a.layers["1"].ffn.gate.weight.grad.clone())
+        grads.append(a.model.layers["1"].mlp.gate.weight.grad.clone())
     torch.testing.assert_close(grads[2] - grads[0], 2 * (grads[1] - grads[0]))  # linear in the scale
     assert not torch.allclose(grads[2], grads[0])
     assert set_timeout(build_stages(config, 2, source=a), 7.5) == 2
@@ -352,7 +354,7 @@ def test_mtp_shares_the_embedding_on_the_rank_that_holds_first_and_last_stage():
     sched = build_schedule("dualpipev", 2, 4)
     rank0 = stages_for_rank(config, sched, 0, source=model)
     rank1 = stages_for_rank(config, sched, 1, source=model)
-    assert [st.index for st in rank0] == [0, 3] and rank0[0].embed is rank0[1].embed
+    assert [st.index for st in rank0] == [0, 3] and rank0[0].model.embed_tokens is rank0[1].model.embed_tokens
     assert sum(p.numel() for p in {id(p): p for st in rank0 for p in st.parameters()}.values()) < \
         sum(p.numel() for st in stages_for_rank(config, sched, 0, source=model, share_embedding=False)
             for p in st.parameters())
@@ -365,16 +367,17 @@ def test_mtp_shares_the_embedding_on_the_rank_that_holds_first_and_last_stage():
         out.retain_grad()
         uses.append((args[0], out))
 
-    hook = rank0[0].embed.register_forward_hook(keep)
+    hook = rank0[0].model.embed_tokens.register_forward_hook(keep)
     h = x
     for i in range(4):
         h = by_index[i](h)
     by_index[3].criterion(h, y).backward()
     hook.remove()
-    embed = rank0[0].embed.weight
+    embed = rank0[0].model.embed_tokens.weight
     # both stages name it, as one Parameter object
-    assert [p is embed for st in rank0 for n, p in st.named_parameters() if n == "embed.weight"] == [True, True]
-    torch.testing.assert_close(embed.grad, model.embed.weight.grad, rtol=1e-5, atol=1e-7)
+    holders = [p is embed for st in rank0 for n, p in st.named_parameters() if n == "model.embed_tokens.weight"]
+    assert holders == [True, True]
+    torch.testing.assert_close(embed.grad, model.model.embed_tokens.weight.grad, rtol=1e-5, atol=1e-7)
     # the one gradient is the sum of both uses' scatter-adds, and each use contributes
     per_use = [torch.zeros_like(embed).index_add_(0, ids.flatten(), out.grad.flatten(0, 1)) for ids, out in uses]
     assert len(per_use) == 2 and all(g.abs().sum() > 0 for g in per_use)

@@ -87,7 +87,7 @@ def test_saved_bytes_are_the_planners_fused_attention_within_10_percent(kind, po
     measured = {}
     for core in ("eager", "flash"):
         torch.manual_seed(0)
-        block = DeepSeekV3Model(TINY.replace(core_attention=core)).layers[str(layer_id)]
+        block = DeepSeekV3Model(TINY.replace(core_attention=core)).model.layers[str(layer_id)]
         apply_recompute(block, policy)
         x = torch.randn(1, seq, TINY.dim, requires_grad=True)
         meter = SavedActivationMeter(exclude=list(block.parameters()) + list(block.buffers()))

@@ -33,9 +33,9 @@ def saved(tmp_path):
     torch.manual_seed(0)
     model = DeepSeekV3Model(config)
     with torch.no_grad():
-        for block in model.layers.values():
+        for block in model.model.layers.values():
             if block.is_moe:
-                block.ffn.gate.e_score_correction_bias.normal_()  # a trained correction bias, so its mapping is checked
+                block.mlp.gate.e_score_correction_bias.normal_()  # a trained correction bias, so its mapping is checked
     model.save_pretrained(tmp_path, max_shard_size=200_000)
     return config, model, tmp_path
 
@@ -149,9 +149,9 @@ def test_fp8_checkpoint_into_fp8_linears_keeps_the_stored_fp8(saved, tmp_path):
     config, model, _ = saved
     model.save_pretrained(tmp_path / "fp8", fp8=True)
     fp8_model = DeepSeekV3Model.from_pretrained(tmp_path / "fp8", fp8=True)
-    layer = fp8_model.layers["1"].ffn.experts["3"].up_proj
+    layer = fp8_model.model.layers["1"].mlp.experts["3"].up_proj
     assert isinstance(layer, FP8Linear)
-    ref = quantize_blocks(model.layers["1"].ffn.experts["3"].up_proj.weight.detach())
+    ref = quantize_blocks(model.model.layers["1"].mlp.experts["3"].up_proj.weight.detach())
     q = layer.quantized_weight()  # the cached copy: no re-quantisation of the dequantised master weight
     assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale, ref.scale)
     assert torch.equal(layer.weight.detach(), dequantize(ref))
@@ -186,7 +186,7 @@ def test_wrong_shape_is_named_and_nothing_is_read(saved, monkeypatch):
     log = ReadLog(monkeypatch)
     with pytest.raises(CheckpointError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight in model-\d+-of-\d+"
                                               r"\.safetensors has shape \(128, 64\), but the model's "
-                                              r"layers\.0\.ffn\.gate_proj\.weight needs \(96, 64\)"):
+                                              r"model\.layers\.0\.mlp\.gate_proj\.weight needs \(96, 64\)"):
         DeepSeekV3Model.from_pretrained(path, inter_dim=96)
     assert log.tensors == []  # shapes come from the headers: no tensor was loaded
 
@@ -198,7 +198,7 @@ def test_missing_tensor_and_missing_mtp_layer_are_named(saved):
     del index["weight_map"]["model.layers.1.mlp.experts.5.down_proj.weight"]
     index_file.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight.*"
-                                              r"layers\.1\.ffn\.experts\.5\.down_proj\.weight"):
+                                              r"layers\.1\.mlp\.experts\.5\.down_proj\.weight"):
         DeepSeekV3Model.from_pretrained(path)
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith("model.layers.3.")}
     index_file.write_text(json.dumps(index))

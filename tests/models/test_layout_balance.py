@@ -96,7 +96,7 @@ def test_stages_for_rank_defaults_to_the_balanced_layout():
         mods = stages_for_rank(TINY, sched, rank)
         for (_, stage), mod in zip(sched.local_stages(rank), mods):
             want = [str(i) for i in range(starts[stage], starts[stage] + counts[stage])]
-            assert list(mod.layers) == want
+            assert list(mod.model.layers) == want
 
 
 def test_unequal_chains_are_refused():

@@ -146,7 +146,8 @@ def test_mtp_modules_keep_to_each_document(core):
 
     def losses(ids, labels, pos):
         h = model.hidden(ids, pos)
-        return language_model_losses(h, labels, embed=model.embed, norm=model.norm, head=model.head, mtp=model.mtp,
+        return language_model_losses(h, labels, embed=model.model.embed_tokens, norm=model.model.norm,
+                                     head=model.lm_head, mtp=model.mtp,
                                      config=config, normalizer=counts, position_ids=pos)
 
     packed = losses(mb.input_ids, mb.labels, mb.position_ids)
@@ -156,7 +157,7 @@ def test_mtp_modules_keep_to_each_document(core):
     parts = [losses(torch.tensor([doc.ids]), y, None) for doc, y in zip(docs, alone_labels)]
     torch.stack([p.total for p in parts]).sum().backward()
     got = grads_of(model)  # an expert only padding reached has a zero gradient in the packed run, none alone
-    assert bool(got["mtp.1.proj.weight"].any())
+    assert bool(got["mtp.1.eh_proj.weight"].any())
     main = sum(float(p.main.detach()) for p in parts)
     mtp = [sum(float(p.mtp[k].detach()) for p in parts) for k in range(2)]
     want_mtp = [float(m.detach()) for m in packed.mtp]

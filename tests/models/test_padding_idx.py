@@ -100,9 +100,9 @@ def test_deepseek_v3_pad_row_gets_no_gradient_from_the_main_model_or_mtp():
     assert DeepSeekV3Config.from_hf(config.to_hf()).pad_token_id == PAD
     x, y = padded_batch(config.vocab_size)
     _with_and_without_pad(lambda pad: DeepSeekV3Model(dataclasses.replace(config, pad_token_id=pad)),
-                          lambda m: m(x, y), "embed.weight")
+                          lambda m: m(x, y), "model.embed_tokens.weight")
     stages = deepseek_stages(config, 2)
-    assert [st.embed.padding_idx for st in stages] == [PAD, PAD]  # the first stage's and MTP's on the last
+    assert [st.model.embed_tokens.padding_idx for st in stages] == [PAD, PAD]  # the first stage's and MTP's on the last
     with pytest.raises(ValueError, match=r"DeepSeekV3Config.pad_token_id 128 is outside the vocabulary 0..127"):
         dataclasses.replace(config, pad_token_id=128)
 

@@ -178,9 +178,10 @@ def test_pipelines_with_recompute_give_bit_equal_gradients(kind):
 
 
 def test_deepseek_selective_keeps_the_latents_and_not_qkv():
-    """MLA under "selective" keeps exactly: the block input, attn_norm's normalised input and 1/rms, its output
-    (the down-projections' input), the q latent, wkv_a's output (kv latent + rotary key) and the core's output
-    (wo's input); q, k, v, RoPE's tables and the probabilities are recomputed from the latents in B."""
+    """MLA under "selective" keeps exactly: the block input, input_layernorm's normalised input and 1/rms, its
+    output (the down-projections' input), the q latent, kv_a_proj_with_mqa's output (kv latent + rotary key) and
+    the core's output (o_proj's input); q, k, v, RoPE's tables and the probabilities are recomputed from the
+    latents in B."""
     from mt_dualpipe.models.deepseek_v3.model import Block
 
     config = deepseek_config()

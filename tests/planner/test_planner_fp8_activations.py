@@ -32,7 +32,7 @@ def _measured(policy: str, fp8: bool) -> list[float]:
     torch.manual_seed(0)
     stage = build_stages(CFG, 1, source=DeepSeekV3Model(CFG), fp8=fp8, recompute=policy)[0].to(torch.bfloat16)
     out = []
-    for layer in stage.layers.values():
+    for layer in stage.model.layers.values():
         x = torch.randn(1, SEQ, CFG.dim, dtype=torch.bfloat16, requires_grad=True)
         meter = SavedActivationMeter(exclude=list(layer.parameters()) + _fp8_weight_copies(layer))
         with meter.measure():

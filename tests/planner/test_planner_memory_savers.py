@@ -36,7 +36,7 @@ def measured(cfg: DeepSeekV3Config, policy: str, fp8: bool, seq: int = SEQ) -> l
     torch.manual_seed(0)
     stage = build_stages(cfg, 1, source=DeepSeekV3Model(cfg), fp8=fp8, recompute=policy)[0].to(torch.bfloat16)
     out = []
-    for layer in stage.layers.values():
+    for layer in stage.model.layers.values():
         x = torch.randn(1, seq, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
         meter = SavedActivationMeter(exclude=list(layer.parameters()) + _fp8_weight_copies(layer))
         with meter.measure():

@@ -118,8 +118,8 @@ def test_the_planner_cut_is_what_stages_for_rank_builds(published):
     ids = stage_layer_ids(config, P, est.blocks_per_stage)
     with torch.device("meta"):
         mods = stages_for_rank(config, sched, 0, seq_len=SEQ)
-    assert [(m.index, [int(i) for i in m.layers]) for m in mods] == [(0, ids[0]), (15, ids[15])]
-    assert mods[0].embed is mods[1].embed
+    assert [(m.index, [int(i) for i in m.model.layers]) for m in mods] == [(0, ids[0]), (15, ids[15])]
+    assert mods[0].model.embed_tokens is mods[1].model.embed_tokens
     held = sum(p.numel() for p in {id(p): p for m in mods for p in m.parameters()}.values())
     stages = stage_items(model, est.strategy, result.system)
     assert held == sum(i.params + i.expert_params for s in (0, 15) for i in stages[s])

@@ -17,6 +17,9 @@ On each rank of a pp x dp x ep mesh (see ``examples/deepseek_v3_repro.py`` for t
 
 Routed experts are weight kind "expert" (reduced over dp only), the rest "dense" (over dp x ep);
 stages holding the embedding declare it in ``tied_parameters`` (the MTP modules share it).
+Modules carry the Hugging Face checkpoint's names (``model.layers.N.self_attn.q_a_proj``, ``lm_head``, ...);
+the MTP depths, the last stage's declared extra, are ``mtp.{k}`` (``hf_names``: layer ``n_layers + k``);
+``DeepSeekV3Stage`` is a ``DecoderStage``.
 ``sync_replicas(mods, group)`` sums copies by name, for loops that run stages without a ``Pipeline``.
 
 Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3Config.from_hf(path)``,

@@ -34,38 +34,38 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         norm = config.saves("norm")
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.attn = MLA(config)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.ffn = moe_block(config, ep_group) if config.is_moe_layer(layer_id) else \
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.self_attn = MLA(config)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.mlp = moe_block(config, ep_group) if config.is_moe_layer(layer_id) else \
             mlp(config.dim, config.inter_dim, config.saves("swiglu"))
 
     @property
     def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoEBlock)
+        return isinstance(self.mlp, MoEBlock)
 
     def attention(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # "selective" recomputes MLA.attend (mla.py) in backward; position_ids: packed documents
-        return x + self.attn(self.attn_norm(x), position_ids)
+        return x + self.self_attn(self.input_layernorm(x), position_ids)
 
     def recompute_regions(self, policy: str) -> Iterator[tuple[nn.Module, str, str]]:
         """``(module, method, tag)`` recomputed under ``policy`` (``models.recompute``): "selective"
         MLA from its latents; "full" the whole dense block, or a MoE block's attention sublayer and each
         expert (never the router or the dispatch/combine all-to-alls)."""
         if policy == "selective":
-            yield self.attn, "attend", "latent_attention"
-        elif policy == "full" and not isinstance(self.ffn, MoEBlock):
+            yield self.self_attn, "attend", "latent_attention"
+        elif policy == "full" and not isinstance(self.mlp, MoEBlock):
             yield self, "forward", "block"
         elif policy == "full":
             yield self, "attention", "attention"
-            for expert in self.ffn.experts.values():
+            for expert in self.mlp.experts.values():
                 yield expert, "forward", "expert"
-            if self.ffn.shared_experts is not None:
-                yield self.ffn.shared_experts, "forward", "shared_expert"
+            if self.mlp.shared_experts is not None:
+                yield self.mlp.shared_experts, "forward", "shared_expert"
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attention(x, position_ids)
-        return x + self.ffn(self.ffn_norm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
         """What the block keeps per token (activation-dtype elements), its modules' declarations put together
@@ -73,19 +73,29 @@ class Block(nn.Module):
         input with the FFN norm, the routing, dispatch and combine and the experts' inputs; otherwise the two
         norms, MLA and the FFN, the MoE told whether its norm keeps only its input (the ``"router"`` saver then
         rebuilds the router's input from it)."""
-        h = self.attn_norm.weight.numel()
+        h = self.input_layernorm.weight.numel()
         if policy == "full" and not self.is_moe:
             return {"input": h}
-        norm_recomputed = self.ffn_norm.recompute
+        norm_recomputed = self.post_attention_layernorm.recompute
         if policy == "full":
-            ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed, experts_recomputed=True)
-            return {"attention_input": h, "ffn_norm": sum(self.ffn_norm.saved_per_token("none", seq).values()),
-                    **{f"ffn.{n}": v for n, v in ffn.items()}}
-        ffn = self.ffn.saved_per_token(policy, seq, norm_recomputed=norm_recomputed) if self.is_moe \
-            else self.ffn.saved_per_token(policy, seq)
-        parts = {"attn_norm": self.attn_norm, "attn": self.attn, "ffn_norm": self.ffn_norm}
+            mlp = self.mlp.saved_per_token(policy, seq, norm_recomputed=norm_recomputed, experts_recomputed=True)
+            post = sum(self.post_attention_layernorm.saved_per_token("none", seq).values())
+            return {"attention_input": h, "post_attention_layernorm": post,
+                    **{f"mlp.{n}": v for n, v in mlp.items()}}
+        mlp = self.mlp.saved_per_token(policy, seq, norm_recomputed=norm_recomputed) if self.is_moe \
+            else self.mlp.saved_per_token(policy, seq)
+        parts = {"input_layernorm": self.input_layernorm, "self_attn": self.self_attn,
+                 "post_attention_layernorm": self.post_attention_layernorm}
         kept = {name: sum(m.saved_per_token(policy, seq).values()) for name, m in parts.items()}
-        return {**kept, **{f"ffn.{n}": v for n, v in ffn.items()}}
+        return {**kept, **{f"mlp.{n}": v for n, v in mlp.items()}}
+
+
+class SharedHead(nn.Module):
+    """An MTP depth's ``shared_head``: its own input norm; the head itself is the main model's ``lm_head``."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__()
+        self.norm = norm
 
 
 class MTPModule(nn.Module):
@@ -94,9 +104,11 @@ class MTPModule(nn.Module):
     The released convention (the checkpoint's ``eh_proj``, transformers' ``MtpLayer``, vLLM,
     Megatron): the *embedding* half comes first in the concatenation, and ``h`` is the previous
     depth's output *after* its final norm (the main model's ``norm(h)`` for depth 1, this module's
-    ``norm`` output for the next depth) — the same tensor the shared output head sees. The embedding
-    and output head are the main model's (passed in, not owned); only the two norms, the projection
-    (``eh_proj``), the block and the head's input norm (``shared_head.norm``) belong to this module.
+    ``shared_head.norm`` output for the next depth) — the same tensor the shared output head sees. The
+    embedding and output head are the main model's (passed in, not owned); only the two norms, the
+    projection ``eh_proj``, the block and the head's input norm ``shared_head.norm`` belong to this module.
+    Names are the checkpoint's but for the prefix: ``mtp.{k-1}.`` is ``model.layers.{n_layers + k - 1}.``
+    and the block's tensors sit under ``block.`` (``hf_names``).
     """
 
     def __init__(self, depth: int, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
@@ -104,23 +116,23 @@ class MTPModule(nn.Module):
         norm = config.saves("norm")
         self.hnorm = RMSNorm(config.dim, config.norm_eps, norm)
         self.enorm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.proj = nn.Linear(2 * config.dim, config.dim, bias=False)
+        self.eh_proj = nn.Linear(2 * config.dim, config.dim, bias=False)
         self.block = Block(config.n_layers + depth - 1, config, ep_group)
-        self.norm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.shared_head = SharedHead(RMSNorm(config.dim, config.norm_eps, norm))
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.block(self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), position_ids)
+        return self.block(self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)), position_ids)
 
     def saved_per_token(self, policy: str, seq: int) -> dict[str, float]:
         """This depth's own tensors per token (activation-dtype elements) and its block's: the two input norms
         (the hidden half's input is the previous head's norm output, kept by that head already), the
         projection's input and the output norm (the shared head and the loss are ``head_saved_per_token``'s)."""
-        e = Elements(self.proj)
+        e = Elements(self.eh_proj)
         hnorm = self.hnorm.saved_per_token(policy, seq)
         return {"enorm": sum(self.enorm.saved_per_token(policy, seq).values()),
                 "hnorm": sum(v for n, v in hnorm.items() if n != "input"),
-                "proj_input": e.linear_input(self.proj, 2 * self.proj.out_features),
-                "norm": sum(self.norm.saved_per_token(policy, seq).values()),
+                "proj_input": e.linear_input(self.eh_proj, 2 * self.eh_proj.out_features),
+                "norm": sum(self.shared_head.norm.saved_per_token(policy, seq).values()),
                 **{f"block.{n}": v for n, v in self.block.saved_per_token(policy, seq).items()}}
 
 
@@ -208,7 +220,7 @@ def language_model_losses(h: torch.Tensor, labels: torch.Tensor, *, embed: nn.Em
     for k, module in enumerate(mtp, start=1):
         n = seq - k
         pos = None if position_ids is None else position_ids[:, :n]
-        prev = module.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n]), pos))
+        prev = module.shared_head.norm(module(prev[:, :n], embed(tokens[:, k - 1:k - 1 + n]), pos))
         logits_k = head(prev)
         target = mtp_targets(labels, k, position_ids)
         mtp_losses.append(cross_entropy(logits_k.flatten(0, 1), target.flatten(), keep, counts[k]))
@@ -238,25 +250,45 @@ def init_weights(module: nn.Module, std: float) -> None:
                     m.weight[m.padding_idx].zero_()
 
 
+class DeepSeekV3Decoder(nn.Module):
+    """The checkpoint's ``model.``: ``embed_tokens``, ``layers`` (a ModuleDict by global layer id) and the final
+    ``norm``; a pipeline stage holds the parts it runs (``embed``: the embedding, ``norm``: the final norm,
+    ``norm_recompute``: its ``"norm"`` saver)."""
+
+    def __init__(self, config: DeepSeekV3Config, layer_ids: Sequence[int], ep_group: dist.ProcessGroup | None = None,
+                 *, embed: bool = True, norm: bool = True, norm_recompute: bool = False) -> None:
+        super().__init__()
+        if embed:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
+        self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in layer_ids})
+        if norm:
+            self.norm = RMSNorm(config.dim, config.norm_eps, norm_recompute)
+
+
+def mtp_modules(config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> nn.ModuleList:
+    """The MTP depths 1..``mtp_depth`` (``MTPModule``), the extra the last stage holds besides the head."""
+    return nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+
+
 class DeepSeekV3Model(nn.Module):
-    """Embedding, ``n_layers`` blocks (the first ``n_dense_layers`` dense), final norm, head, MTP."""
+    """``model`` (embedding, ``n_layers`` blocks, the first ``n_dense_layers`` dense, final norm), ``lm_head``
+    and the MTP depths ``mtp``: the checkpoint's names (``DeepseekV3ForCausalLM``) but for MTP's (``hf_names``)."""
 
     def __init__(self, config: DeepSeekV3Config, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         with deferred_init():
-            self.embed = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
-            self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in range(config.n_layers)})
-            self.norm = RMSNorm(config.dim, config.norm_eps, config.saves("norm"))
-            self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
-            self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+            self.model = DeepSeekV3Decoder(config, range(config.n_layers), ep_group,
+                                           norm_recompute=config.saves("norm"))
+            self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+            self.mtp = mtp_modules(config, ep_group)
         init_weights(self, config.init_std)
 
     def hidden(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is not None:
             check_position_ids(position_ids, tokens.shape, "DeepSeekV3Model")
-        h = self.embed(tokens)
-        for block in self.layers.values():
+        h = self.model.embed_tokens(tokens)
+        for block in self.model.layers.values():
             h = block(h, position_ids)
         return h
 
@@ -267,25 +299,26 @@ class DeepSeekV3Model(nn.Module):
         (``language_model_losses``)."""
         h = self.hidden(tokens, position_ids)
         if labels is None:
-            return self.head(self.norm(h))
+            return self.lm_head(self.model.norm(h))
         return self.losses(h, labels, position_ids=position_ids).total
 
     def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None,
                position_ids: torch.Tensor | None = None) -> LossParts:
-        return language_model_losses(h, labels, embed=self.embed, norm=self.norm, head=self.head, mtp=self.mtp,
-                                     config=self.config, normalizer=normalizer, position_ids=position_ids)
+        return language_model_losses(h, labels, embed=self.model.embed_tokens, norm=self.model.norm, head=self.lm_head,
+                                     mtp=self.mtp, config=self.config, normalizer=normalizer, position_ids=position_ids)
 
     def mtp_logits(self, tokens: torch.Tensor, next_tokens: torch.Tensor,
                    position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits of each MTP depth k for positions 0..T-k-1, given ``next_tokens[:, i] = t_{i+1}``
         (inference-style; the training losses use the same chain)."""
-        prev = self.norm(self.hidden(tokens, position_ids))
+        prev = self.model.norm(self.hidden(tokens, position_ids))
         out = []
         for k, module in enumerate(self.mtp, start=1):
             n = tokens.size(1) - k
             pos = None if position_ids is None else position_ids[:, :n]
-            prev = module.norm(module(prev[:, :n], self.embed(next_tokens[:, k - 1:k - 1 + n]), pos))
-            out.append(self.head(prev))
+            emb = self.model.embed_tokens(next_tokens[:, k - 1:k - 1 + n])
+            prev = module.shared_head.norm(module(prev[:, :n], emb, pos))
+            out.append(self.lm_head(prev))
         return out
 
     # ----- Hugging Face checkpoints -------------------------------------------------------------------
@@ -324,10 +357,10 @@ class DeepSeekV3Model(nn.Module):
 
 
 def expert_load_names(config: DeepSeekV3Config) -> list[str]:
-    """The routed-token count buffer (``gate.load``) of every MoE layer of the full model, main blocks then
+    """The routed-token count buffer (``mlp.gate.load``) of every MoE layer of the full model, main blocks then
     MTP blocks: the names every stage shares with ``DeepSeekV3Model``, so ranks holding different stages
     can lay their counts out in one agreed order (``stages.sync_expert_load``)."""
-    names = [f"layers.{i}.ffn.gate.load" for i in range(config.n_layers) if config.is_moe_layer(i)]
-    names += [f"mtp.{k - 1}.block.ffn.gate.load" for k in range(1, config.mtp_depth + 1)
+    names = [f"model.layers.{i}.mlp.gate.load" for i in range(config.n_layers) if config.is_moe_layer(i)]
+    names += [f"mtp.{k - 1}.block.mlp.gate.load" for k in range(1, config.mtp_depth + 1)
               if config.is_moe_layer(config.n_layers + k - 1)]
     return names

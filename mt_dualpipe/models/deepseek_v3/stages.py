@@ -6,7 +6,7 @@ first stage, ``stages_for_rank`` makes the two one module, ``share_local_embeddi
 Parameter names are the full model's, so ``load_from`` copies weights by key.
 
 Replicas of one weight, and who sums them: a stage that holds the embedding declares
-``tied_parameters = ("embed.weight",)``; any ``Pipeline`` over these stages then sums every copy of
+``tied_parameters = ("model.embed_tokens.weight",)``; any ``Pipeline`` over these stages then sums every copy of
 that weight (first and last stage, on any rank; a parameter two local stages share counts once) and
 DualPipe's mirrored stage copies once per
 step, and with ``mesh=`` also averages the data/expert-parallel replicas in the same pass (routed
@@ -41,64 +41,55 @@ import torch.distributed as dist
 from torch import nn
 
 from ...fp8 import convert_to_fp8
-from ...layers.documents import check_position_ids, criterion_inputs, hand_on
+from ...layers.documents import criterion_inputs
 from ...layers.expert_parallel import mesh_ep_group
 from ...layers.moe_state import mark_expert_weights
 from ...layers.replicas import parameter_grads, sum_copies
 from ...parallel.device import collective_device
-from ...runtime.deferred import defer_weight_grads as _defer_weight_grads
 from ...schedules.placements import make_placement
-from ..compile import check_backend, compile_stage
-from ..recompute import apply_recompute, stage_policy
-from .checkpoint import build_loaded, hf_state_dict, open_checkpoint
+from ..decoder_stage import DecoderStage, build_stage_list
+from .checkpoint import build_loaded, hf_state_dict
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
 from .layout import parse_layout as parse_layout  # re-exported: it lived here before layout.py
 from .layout import stage_layer_ids
-from .mla import RMSNorm
 from .model import (
-    Block,
+    DeepSeekV3Decoder,
     DeepSeekV3Model,
     LossParts,
-    MTPModule,
     deferred_init,
     expert_load_names,
     init_weights,
     language_model_losses,
+    mtp_modules,
 )
 from .stage_balance import balanced_layout
 
 
-class DeepSeekV3Stage(nn.Module):
-    """One pipeline stage of DeepSeek-V3 (see the module docstring for the contract)."""
+class DeepSeekV3Stage(DecoderStage):
+    """One pipeline stage of DeepSeek-V3 (see the module docstring for the contract): a ``DecoderStage``
+    whose last stage holds a declared extra, the MTP depths ``mtp``, which read the embedding too."""
+
+    extras = ("mtp",)
 
     def __init__(self, config: DeepSeekV3Config, index: int, num_stages: int, layer_ids: Sequence[int],
                  ep_group: dist.ProcessGroup | None = None, defer_weight_grads: bool = True) -> None:
-        super().__init__()
-        if not 0 <= index < num_stages:
-            raise ValueError(f"stage index {index} is outside 0..{num_stages - 1}")
-        self.config, self.index, self.num_stages = config, index, num_stages
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
-        self.loss_log: list[tuple[float, list[float]]] = []  # (main, [mtp_k]) of each criterion call
+        super().__init__(config, index, num_stages)
+        self.loss_log: list[tuple[float, list[float]]] = []  # type: ignore[assignment]  # (main, [mtp_k]) per call
         with deferred_init():
-            if self.is_first or (self.is_last and config.mtp_depth):
-                self.embed = nn.Embedding(config.vocab_size, config.dim, config.pad_token_id)
-            self.layers = nn.ModuleDict({str(i): Block(i, config, ep_group) for i in layer_ids})
+            self.model = DeepSeekV3Decoder(config, layer_ids, ep_group, embed=self.holds_embedding, norm=self.is_last)
             if self.is_last:
-                self.norm = RMSNorm(config.dim, config.norm_eps)
-                self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
-                self.mtp = nn.ModuleList(MTPModule(k, config, ep_group) for k in range(1, config.mtp_depth + 1))
+                self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+                self.mtp = mtp_modules(config, ep_group)
         init_weights(self, config.init_std)
-        if defer_weight_grads:
-            _defer_weight_grads(self)
         # The MTP modules read the main embedding: the first and the last stage each hold it (one module when
         # both are on one rank: share_local_embedding; else copies whose gradients the pipeline sums). The head
         # lives on the last stage only: nothing else is tied.
-        both = num_stages > 1 and config.mtp_depth > 0  # the first stage embeds, the last one's MTP reads it too
-        self.tied_parameters: tuple[str, ...] = ("embed.weight",) if hasattr(self, "embed") and both else ()
+        self.finish_init(defer_weight_grads)
 
-    def extra_repr(self) -> str:
-        return f"stage {self.index} of {self.num_stages}, blocks {list(self.layers)}"
+    @property
+    def last_reads_embedding(self) -> bool:
+        return self.config.mtp_depth > 0
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under their Hugging Face checkpoint names (``save_pipeline_checkpoint``)."""
@@ -107,59 +98,19 @@ class DeepSeekV3Stage(nn.Module):
     fp8_checkpoint_names = staticmethod(is_fp8_weight)
     fp32_checkpoint_names = staticmethod(is_fp32_weight)
 
-    def compile_targets(self) -> list[nn.Module]:
-        """What ``compile=`` compiles (``models/compile.py``): per block the two norms, MLA (its
-        latent norms, RoPE, softmax) and the dense FFN or the shared experts (SwiGLU), and the final
-        norm; their linears stay eager so their weight GEMMs still wait for W. The router, the routed
-        experts (row counts change with the routing) and the dispatch / combine stay eager. The
-        F&B units run the same modules, so they run them compiled too."""
-        targets: list[nn.Module] = []
-        for block in self.layers.values():
-            targets += [block.attn_norm, block.attn, block.ffn_norm]
-            ffn = block.ffn.shared_experts if block.is_moe else block.ffn
-            if ffn is not None:
-                targets.append(ffn)
-        if self.is_last:
-            targets.append(self.norm)
-        return targets
-
-    @torch.no_grad()
-    def load_from(self, model: nn.Module) -> DeepSeekV3Stage:
-        """Copy this stage's weights (and gate biases) from a full model or another stage by key."""
-        src = model.state_dict()
-        own = self.state_dict()
-        missing = [k for k in own if k not in src]
-        if missing:
-            raise ValueError(f"the source model lacks {len(missing)} of this stage's keys, e.g. {missing[:3]}")
-        self.load_state_dict({k: src[k] for k in own})
-        return self
-
-    # ----- forward ---------------------------------------------------------------------------------
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if len(inputs) not in (1, 2):
-            raise ValueError(f"{self.extra_repr()}: expected 1 input (token ids on the first stage, hidden states "
-                             f"after) or 2 (those and the position ids of packed rows), got {len(inputs)}")
-        x, position_ids = inputs[0], (inputs[1] if len(inputs) == 2 else None)
-        if position_ids is not None:
-            check_position_ids(position_ids, x.shape[:2], self.extra_repr())
-        if self.is_first:
-            if x.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"the first stage takes token ids (int64), got a {x.dtype} tensor")
-            x = self.embed(x)
-        for block in self.layers.values():
-            x = block(x, position_ids)
-        return x if position_ids is None else (x, hand_on(position_ids))
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))
 
     # ----- loss (last stage) -----------------------------------------------------------------------
     def losses(self, h: torch.Tensor, labels: torch.Tensor, normalizer: Sequence[float] | None = None,
                position_ids: torch.Tensor | None = None) -> LossParts:
         if not self.is_last:
             raise RuntimeError(f"{self.extra_repr()} is not the last stage: it has no head or loss")
-        return language_model_losses(h, labels, embed=getattr(self, "embed", None), norm=self.norm, head=self.head,
-                                     mtp=self.mtp, config=self.config, normalizer=normalizer,
+        return language_model_losses(h, labels, embed=getattr(self.model, "embed_tokens", None), norm=self.model.norm,
+                                     head=self.lm_head, mtp=self.mtp, config=self.config, normalizer=normalizer,
                                      position_ids=position_ids)
 
-    def criterion(self, h: torch.Tensor, *rest: torch.Tensor,
+    def criterion(self, h: torch.Tensor, *rest: torch.Tensor,  # type: ignore[override]
                   normalizer: Sequence[float] | None = None) -> torch.Tensor:
         """The runtime's ``criterion(*outputs, *labels)``: ``(h, labels)``, or for packed rows ``(h, position_ids,
         labels)`` (the last stage returns its position ids too); main + λ·MTP loss; logs the parts.
@@ -169,6 +120,7 @@ class DeepSeekV3Stage(nn.Module):
         parts = self.losses(h, labels, normalizer, position_ids)
         self.loss_log.append((float(parts.main.detach()), [float(m.detach()) for m in parts.mtp]))
         return parts.total
+
 
 # ----- building and placing stages -------------------------------------------------------------------
 def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int] | str | None = None, *,
@@ -187,36 +139,15 @@ def build_stages(config: DeepSeekV3Config, num_stages: int, layout: Sequence[int
     built on the meta device and reads only its own tensors (with ``ep_group``: only its experts);
     ``fp8`` converts the linears to ``FP8Linear`` (``convert_to_fp8``; before a checkpoint is read, so
     its FP8 weights and block scales are kept as stored)."""
-    backend = check_backend(compile)
     ids = stage_layer_ids(config, num_stages, layout)
-    wanted = range(num_stages) if indices is None else indices
-    if checkpoint is not None:
-        if source is not None:
-            raise ValueError("give build_stages either source= (a model to copy) or checkpoint=, not both")
-        ckpt = open_checkpoint(checkpoint)
-        stages = [build_loaded(lambda i=i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
-                               ckpt, config, fp8=fp8) for i in wanted]
-        return [_recomputed(st, recompute, backend) for st in stages]
-    stages = [DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads) for i in wanted]
-    if source is not None:
-        for st in stages:
-            st.load_from(source)
-    if fp8:
-        for st in stages:
-            convert_to_fp8(st)
-    return [_recomputed(st, recompute, backend) for st in stages]
-
-
-def _recomputed(stage: DeepSeekV3Stage, policy: str, backend: str | None = None) -> DeepSeekV3Stage:
-    """The recompute policy, and compilation when asked (which must wrap the policy's regions); a stage without
-    a block (the embedding alone, at a depth the model barely fills) has nothing to rebuild."""
-    policy = stage_policy(stage, policy)
-    if backend is None:
-        apply_recompute(stage, policy)
-    else:
-        compile_stage(stage, stage.compile_targets(), backend=backend, recompute=policy)
-    mark_expert_weights(stage)  # again: checkpoint loading and FP8 conversion may have made new Parameters
-    return stage
+    stages = build_stage_list(
+        lambda i: DeepSeekV3Stage(config, i, num_stages, ids[i], ep_group, defer_weight_grads),
+        range(num_stages) if indices is None else indices, source=source, checkpoint=checkpoint,
+        load=lambda make, ckpt: build_loaded(make, ckpt, config, fp8=fp8), prepare=convert_to_fp8 if fp8 else None,
+        recompute=recompute, compile=compile)
+    for st in stages:
+        mark_expert_weights(st)  # again: checkpoint loading and FP8 conversion may have made new Parameters
+    return stages  # type: ignore[return-value]
 
 
 def dualpipe_stage_ids(rank: int, num_ranks: int) -> tuple[int, int]:
@@ -278,16 +209,17 @@ def share_local_embedding(stages: Sequence[DeepSeekV3Stage]) -> int:
     values differ (weights loaded into the stages separately, then changed on one) are left as they
     are, tied by the runtime; stages on the meta device share (both are filled from the checkpoint's one
     ``model.embed_tokens.weight``: the MTP layer's copy is not read, ``hf_names.from_hf_name``). Returns
-    how many copies now share. The runtime's tie of ``embed.weight`` with other
+    how many copies now share. The runtime's tie of ``model.embed_tokens.weight`` with other
     ranks' copies counts a shared parameter once (``TiedSync``)."""
-    holders = [st for st in stages if hasattr(st, "embed")]
+    holders = [st for st in stages if hasattr(st.model, "embed_tokens")]
     shared = 0
     for st in holders[1:]:
-        one = holders[0].embed
-        if st.embed is one:
+        one = holders[0].model.embed_tokens
+        if st.model.embed_tokens is one:
             continue
-        if st.embed.weight.shape == one.weight.shape and _same_values(st.embed.weight, one.weight):
-            st.embed = one
+        if st.model.embed_tokens.weight.shape == one.weight.shape and _same_values(st.model.embed_tokens.weight,
+                                                                                  one.weight):
+            st.model.embed_tokens = one
             shared += 1
     return shared
 
