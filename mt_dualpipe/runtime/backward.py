@@ -14,10 +14,14 @@ now computes only its weight gradients; one engine call per frontier node, becau
 call would also flow from one frontier node down the input path into the next and count that one
 twice. Roots that reach no input go to W whole.
 
+A frontier node whose weights are all vectors (a norm's weight and bias) has nothing worth
+deferring: re-running it in W would cost an engine call (about 30 us on CPU) for an elementwise
+reduction. B's engine call computes those gradients along with the input gradient (as extra engine
+inputs, not accumulated) and W only accumulates them, all such weights of a B in one engine call,
+so their hooks still fire at W; as the fast path computes its cheap owners' gradients in B.
 A frontier node that is a custom ``autograd.Function`` (a ``torch.compile``'d region's
 ``CompiledFunctionBackward`` is one) computes every gradient at once, so re-running it in W would
-repeat B's work: B's engine call captures its weights' gradients instead (as extra engine inputs)
-and W only accumulates them. That is right for a compiled region's norm weights; for matrix
+repeat B's work: it is held the same way. That is right for a compiled region's norm weights; for matrix
 weights the stage warns once, since their GEMMs then run in B (``runtime/compiled.py`` keeps the
 linears of compiled regions out of the graph, so that their GEMMs split as in eager). The split
 falls back to a full backward in B (W then has nothing left) when two frontier nodes reach the
@@ -35,7 +39,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-_engine = torch.autograd.Variable._execution_engine
+_Variable = torch.autograd.Variable  # its engine is looked up per call, as torch.autograd.backward does: a
+# profiler or counter that swaps ``Variable._execution_engine`` sees the runtime's calls too
 
 
 def run_backward(tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.Tensor | None]) -> None:
@@ -43,7 +48,7 @@ def run_backward(tensors: Sequence[torch.Tensor], grad_tensors: Sequence[torch.T
 
     The same contract as deepseek DualPipe's ``run_backward``, for ``overlapped_forward_backward`` hooks.
     """
-    _engine.run_backward(tuple(tensors), tuple(grad_tensors), False, False, (), True, True)
+    _Variable._execution_engine.run_backward(tuple(tensors), tuple(grad_tensors), False, False, (), True, True)
 
 
 def backward_roots(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> tuple[list, list]:
@@ -80,7 +85,7 @@ def full_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor | None],
                   inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """BW: one engine call accumulating every gradient; returns the inputs' gradients."""
     if roots:
-        _engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
+        _Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
     return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
 
 
@@ -96,7 +101,7 @@ class _Split:
     def run(self) -> None:
         with self.shared if self.shared is not None else nullcontext():
             for edges, grads, weights in self.calls:
-                _engine.run_backward(edges, grads, True, False, weights, True, True)
+                _Variable._execution_engine.run_backward(edges, grads, True, False, weights, True, True)
         self.calls = []
 
 
@@ -195,7 +200,8 @@ def _captured_by_engine(roots: Sequence[torch.Tensor], grads: Sequence[torch.Ten
         n = len(node._input_metadata)
         slots.append(n)
         edges.extend(GradientEdge(node, k) for k in range(n))
-    got = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req) + tuple(edges), True, False)
+    got = _Variable._execution_engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req) + tuple(edges),
+                                                   True, False)
     out: dict[Any, tuple] = {None: got[:len(req)]}
     pos = len(req)
     for (node, _), n in zip(frontier, slots):
@@ -212,7 +218,8 @@ def _captured_by_prehooks(roots: Sequence[torch.Tensor], grads: Sequence[torch.T
     captured: dict[Any, tuple] = {}
     handles = [node.register_prehook(lambda g, node=node: captured.__setitem__(node, g)) for node, _ in frontier]
     try:
-        captured[None] = _engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req), True, False)
+        captured[None] = _Variable._execution_engine.run_backward(tuple(roots), tuple(grads), True, False, tuple(req),
+                                                                  True, False)
     finally:
         for h in handles:
             h.remove()
@@ -307,6 +314,24 @@ def _gemm_weights_in_b(frontier: list) -> tuple[str, tuple[torch.Tensor, ...]] |
     return None
 
 
+def _group_calls(frontier: list, groups: list[list[int]], captured: dict[Any, tuple]) -> list[tuple]:
+    """W's engine calls: one per group of frontier nodes sharing weights (``_weight_groups``), from the gradients
+    B captured at its nodes, restricted to the weights below them."""
+    calls = []
+    for group in groups:
+        edges, gs, weights = [], [], {}
+        for i in group:
+            node, leaves = frontier[i]
+            for k, g in enumerate(captured.get(node) or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    gs.append(g)
+            weights.update((leaf, None) for leaf in leaves)
+        if edges:
+            calls.append((tuple(edges), tuple(gs), tuple(leaf.variable for leaf in weights)))
+    return calls
+
+
 def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], why: list[tuple[str, tuple[torch.Tensor, ...]]] | None = None,
                    shared: Any = None) -> tuple[list[torch.Tensor | None], _Split | None]:
@@ -332,8 +357,13 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         return full_backward(roots, grads, inputs), None
     if why is not None and (late := _gemm_weights_in_b(frontier)):
         why.append(late)
-    rerun = [g for g in groups if not _opaque(frontier[g[0]][0])]  # an opaque node is alone in its group
-    held = [leaf.variable for g in groups if _opaque(frontier[g[0]][0]) for leaf in frontier[g[0]][1]]
+    def held_in_b(group: list[int]) -> bool:  # an opaque node (alone in its group), or vector weights only
+        return _opaque(frontier[group[0]][0]) or all(leaf.variable.dim() <= 1 for i in group
+                                                     for leaf in frontier[i][1])
+
+    rerun = [g for g in groups if not held_in_b(g)]  # W re-runs these groups' nodes
+    held = list({leaf: None for g in groups if held_in_b(g) for i in g for leaf in frontier[i][1]})
+    held = [leaf.variable for leaf in held]  # B's own engine call computes their gradients
     nodes = [frontier[i] for g in rerun for i in g]
     capture = _captured_by_engine if all(hasattr(node, "_input_metadata") for node, _ in nodes) \
         else _captured_by_prehooks  # an autograd without per-node input metadata: capture with node pre-hooks
@@ -341,22 +371,12 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         captured = capture(roots, grads, req + held, nodes)
     got = captured.pop(None)
     calls = []
-    if held:  # an opaque node's weight gradients, computed by B's run of it: W only accumulates them
+    if held:  # computed by B's run of their node (an opaque one, or vectors only): W only accumulates them
         pairs = [(w, g) for w, g in zip(held, got[len(req):]) if g is not None]
         if pairs:
             calls.append((tuple(w for w, _ in pairs), tuple(g for _, g in pairs), ()))
         got = got[:len(req)]
-    for group in rerun:  # one engine call per group of nodes sharing weights (``_weight_groups``)
-        edges, gs, weights = [], [], {}
-        for i in group:
-            node, leaves = frontier[i]
-            for k, g in enumerate(captured.get(node) or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, k))
-                    gs.append(g)
-            weights.update((leaf, None) for leaf in leaves)
-        if edges:
-            calls.append((tuple(edges), tuple(gs), tuple(leaf.variable for leaf in weights)))
+    calls += _group_calls(frontier, rerun, captured)
     for root, start, g in zip(roots, starts, grads):
         if not reaches_input.get(start, False):
             calls.append(((root,), (g,), ()))

@@ -22,11 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grad import WeightGradStore
+from .weight_grad import WeightGradStore, deferrable_forward
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)  # one call instead of a device lookup
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast would run ``F.linear`` on ``x``'s device in, or None outside autocast."""
+    if _any_autocast is not None and not _any_autocast():
+        return None
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return None
@@ -47,7 +51,9 @@ class _DeferredLinearFunction(torch.autograd.Function):
         # dtype: the backward may run outside autocast (PyTorch's recommended pattern), where the
         # GEMMs of B and W must still see the forward's dtype.
         dtype = _autocast_dtype(x)
-        x, w, b = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        w, b = weight, bias
+        if dtype is not None:
+            x, w, b = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias  # the parameters themselves: a deferred W writes their .grad
         ctx.dtype = dtype
@@ -56,13 +62,13 @@ class _DeferredLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
+        weight, bias, dtype = ctx.weight, ctx.bias, ctx.dtype
+        need_x, want_w, want_b = ctx.needs_input_grad
         dy = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.dtype is not None:
-            dy = _cast(dy, ctx.dtype)
-        dx = dy.mm(_cast(weight, ctx.dtype)).view(x.shape) if ctx.needs_input_grad[0] else None
-        want_w = ctx.needs_input_grad[1]
-        want_b = bias is not None and ctx.needs_input_grad[2]
+        if dtype is not None:
+            dy = _cast(dy, dtype)
+        dx = dy.mm(weight if dtype is None else _cast(weight, dtype)).view(x.shape) if need_x else None
+        want_b = want_b and bias is not None
         if not (want_w or want_b):
             return dx, None, None
 
@@ -101,9 +107,11 @@ class DeferredLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad or
-                                               (self.bias is not None and self.bias.requires_grad)):
-            return F.linear(x, self.weight, self.bias)  # nothing to differentiate: skip the Function
+        if not torch.is_grad_enabled() or not deferrable_forward() or not (
+                x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+            # nothing to differentiate, or a backward the runtime runs fused (weight_grad.fused_forward): the
+            # plain node, whose backward autograd runs in C++ (same matmuls, same results)
+            return F.linear(x, self.weight, self.bias)
         return _DeferredLinearFunction.apply(x, self.weight, self.bias)
 
 

@@ -147,6 +147,14 @@ class Executor:
         self.stages = {(c, s): Stage(m, c, s, s == 0, s == len(self.placement[c]) - 1, store, rank=rank,
                                      rank_name=self.rank_name, splits=(c, s) in split)
                        for (c, s), m in zip(local, modules)}
+        fused: dict[tuple[int, int], set[int]] = {}  # per stage, the micro-batches whose backward is a BW
+        for ins in program.ranks[rank]:
+            op = ins.b if type(ins) is FB else ins
+            if type(op) is Op and op.kind == BW:
+                fused.setdefault((op.chain, op.stage), set()).add(op.mb)
+        for key, mbs in fused.items():
+            if key in self.stages:
+                self.stages[key].fused = frozenset(mbs)
         self._programs: dict[bool, list[tuple[int, Any]]] = {}
         self._plans: dict[bool, list[Planned]] = {}
         self._tag_shape = (len(self.placement), max(len(c) for c in self.placement))
@@ -462,7 +470,7 @@ class Executor:
         labels0 = self._labels(sf, mf)
         split = b.kind is B
         loss1, outputs1, output_grads1 = sb.overlapped_roots(mb, grads1)
-        with sb.backward_context(mb, split):
+        with sb.backward_context(mb, split), sf.forward_context(mf, split):
             outputs0, loss0 = e.overlapped(sf.module, list(inputs0), criterion0, list(labels0) if criterion0 else [],
                                            sb.module, loss1, outputs1, output_grads1)
         sf.finish_forward(mf, inputs0, outputs0, loss0, criterion0, labels0, True, self.keep_outputs)

@@ -29,7 +29,7 @@ import torch.nn as nn
 from . import checkpoint_reuse, compiled
 from .backward import backward_roots, full_backward, has_reentrant_checkpoint, split_backward
 from .errors import PipelineError
-from .weight_grad import WeightGradStore, held_post_accumulate_hooks
+from .weight_grad import WeightGradStore, fused_forward, held_post_accumulate_hooks
 
 
 def _as_outputs(out: Any, stage: Stage, mb: int) -> tuple[torch.Tensor, ...]:
@@ -44,6 +44,7 @@ def _as_outputs(out: Any, stage: Stage, mb: int) -> tuple[torch.Tensor, ...]:
                         "non-empty tuple/list of Tensors (they are what is sent to the next stage)")
 
 
+_NOTHING = contextlib.nullcontext()
 _STORE_ONLY = ("store", None)  # pending W: only the store's group (the fast split, or nothing left by the generic one)
 
 CHEAP_PARAMETER_OWNERS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.RMSNorm, nn.Embedding)
@@ -131,6 +132,9 @@ class Stage:
     ``rank`` (the pipeline rank, set by the ``Pipeline``) only names the rank in error messages.
     ``splits``: the schedule gives this stage W ops (split B); only then do its compiled regions need
     their linears split out of the graph (``compiled.split_products``), which a fused BW does not.
+    ``fused``: the micro-batches whose backward the schedule runs fused (BW), set by the executor; their
+    F runs under ``weight_grad.fused_forward`` when the module has deferring layers, so those build the
+    plain autograd node (no Python ``autograd.Function`` to pay for a split that never comes).
     """
 
     def __init__(self, module: nn.Module, chain: int, stage: int, is_first: bool, is_last: bool,
@@ -152,6 +156,8 @@ class Stage:
         self._warned: set = set()  # warnings the module's forward raised, shown once each
         self._said_in_b: set[tuple[str, ...]] = set()  # the parameter sets a warning named as computed in B
         self.name = f"stage (chain {chain}, stage {stage}) {type(module).__name__}"
+        self._defers = any(_defers(m) for m in module.modules())
+        self.fused: frozenset[int] = frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -181,7 +187,7 @@ class Stage:
         try:
             if training and torch.is_grad_enabled():
                 with _refusing_lost_gradients(self.where("F", mb), self._warned), checkpoint_reuse.recording() as rec, \
-                        self._no_donation():
+                        self._no_donation(), fused_forward() if self._defers and mb in self.fused else _NOTHING:
                     out = self.module(*inputs)
                 if rec.holders:
                     self.checkpointed = True
@@ -373,6 +379,12 @@ class Stage:
         if split:
             stack.enter_context(self._deferring(mb))
         return stack
+
+    def forward_context(self, mb: int, other_split: bool) -> Any:
+        """While a stage class's ``overlapped_forward_backward`` runs the F of ``mb`` beside a B on this thread:
+        ``fused_forward`` when this F's backward is fused and the B beside it is too (a split B's recompute
+        must still build deferring nodes)."""
+        return fused_forward() if self._defers and not other_split and mb in self.fused else _NOTHING
 
     def _no_donation(self) -> Any:
         """A compiled stage's forward and backward: AOTAutograd donates no buffer (``compiled.py``); it

@@ -17,20 +17,62 @@ Stores are per pipeline, not global state: the runtime activates its own store o
 runs a B (``with store.deferring():``), and each B's closures form one group that the matching W
 runs (``store.run_oldest()``). Activation is process-wide for the duration of the call, so the
 autograd engine's device threads (CUDA/MUSA) see it too.
+
+A forward whose backward the runtime will run fused (BW: no W to defer to) needs no deferring node
+at all: while it runs, ``deferrable_forward()`` is False on its thread (``fused_forward``), and a
+deferring layer may then build the plain autograd node (``DeferredLinear`` calls ``F.linear``, whose
+backward runs in C++, instead of its Python ``autograd.Function``). A layer that ignores it is still
+right: with no store active its backward computes the weight gradient at once.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from typing import Any
 
 import torch
 
+from .backward import run_backward
+
 _active_lock = threading.Lock()
 _active: WeightGradStore | None = None
+
+
+class _ForwardMode(threading.local):
+    """Per thread: whether the forward running on it may have its weight gradients deferred. Thread-local,
+    not process-wide: an F&B unit's B side (another thread) may recompute a forward for a split B meanwhile."""
+
+    deferrable = True
+
+
+_forward_mode = _ForwardMode()
+
+
+_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def deferrable_forward() -> bool:
+    """False while the runtime runs a forward whose backward it will run fused (``fused_forward``), outside
+    any saved-tensors hooks. Under such hooks (a non-reentrant checkpoint's region, or its recompute, which
+    runs with the fused flag off and must save what the forward saved) deferring layers keep their node."""
+    if _forward_mode.deferrable:
+        return True
+    return _saved_tensors_hooks is None or _saved_tensors_hooks(False) is not None
+
+
+@contextmanager
+def fused_forward() -> Iterator[None]:
+    """Run a forward on this thread whose backward will be a fused BW: deferring layers may build plain nodes."""
+    before = _forward_mode.deferrable
+    _forward_mode.deferrable = False
+    try:
+        yield
+    finally:
+        _forward_mode.deferrable = before
 
 
 class WeightGradStore:
@@ -132,7 +174,12 @@ class _Accumulate:
 
     def grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
-            return [(p, g.to(p.dtype)) for p, g in zip(self.params, self.compute()) if g is not None]
+            return self.computed()
+
+    def computed(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``grads`` for a caller already under ``torch.no_grad()``."""
+        return [(p, g if g.dtype == p.dtype else g.to(p.dtype)) for p, g in zip(self.params, self.compute())
+                if g is not None]
 
     def __call__(self) -> None:
         _accumulate(self.grads())
@@ -143,19 +190,25 @@ def accumulate_now(params: Sequence[Any], compute: Callable[[], Sequence[Any]]) 
 
     Called from inside a running backward (``linear_op``), once per layer: a nested engine call there
     would cost more than the GEMM on small layers, so a parameter that nothing observes (no tensor
-    hook, no post-accumulate hook) gets the gradient added directly, as AccumulateGrad would: stored
-    when ``.grad`` is None, added in place otherwise. Observed parameters still go through the engine.
+    hook, no post-accumulate hook) gets the gradient added directly (``_add_to_grad``). Observed
+    parameters still go through the engine.
     """
     pairs = _Accumulate(params, compute).grads()
     observed = [(p, g) for p, g in pairs if _hooked(p)]
     with torch.no_grad():
         for p, g in pairs:
             if not _hooked(p):
-                if p.grad is None:
-                    p.grad = g  # a fresh tensor of this call (no graph: computed under no_grad)
-                else:
-                    p.grad.add_(g)
+                _add_to_grad(p, g)
     _accumulate(observed)
+
+
+def _add_to_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """What AccumulateGrad does with ``g`` (computed under no_grad, cast to ``p``'s dtype): stored when ``.grad``
+    is None (in ``p``'s layout), added in place otherwise. For a parameter that no hook observes."""
+    if p.grad is None:
+        p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+    else:
+        p.grad.add_(g)
 
 
 def _hooked(p: torch.Tensor) -> bool:
@@ -164,34 +217,49 @@ def _hooked(p: torch.Tensor) -> bool:
 
 def _accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """One engine call from the parameters: AccumulateGrad adds each gradient (a parameter listed twice
-    gets the sum, and its post-accumulate hook fires once)."""
+    gets the sum, and its post-accumulate hook fires once).
+
+    The engine is called directly (``run_backward``), not through ``torch.autograd.backward``, whose
+    Python-side checks of every (tensor, gradient) pair cost about 25 us per linear on CPU, more than
+    a small layer's weight GEMM: the gradients here are made for their parameters (same shape, cast
+    to the parameter's dtype), and the engine still validates each root's gradient."""
     if pairs:
-        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+        run_backward([p for p, _ in pairs], [g for _, g in pairs])
 
 
 def run_group(group: Sequence[Callable[[], None]]) -> None:
-    """Run one W's closures in order, ``put_grads`` neighbours batched into one engine call each.
+    """Run one W's closures in order; ``put_grads`` gradients reach ``.grad`` as AccumulateGrad would put them.
 
-    An autograd engine call costs far more than a small GEMM (on CUDA it hands over to the device
-    thread and back): one per linear made W on a GPU 1.8x slower than the fused backward. Batches
-    stop at ``ACCUMULATE_BATCH_BYTES`` of gradients and at any other kind of closure, so order and
-    peak memory stay bounded.
+    A parameter that nothing observes (no tensor hook, no post-accumulate hook) and that only one entry
+    of this W names gets its gradient added at once (``_add_to_grad``), so the buffer is free again for
+    the next GEMM: holding a W's worth of fresh gradient buffers for one engine call made W slower on
+    CPU than the whole fused backward (new pages at every W). The others go through autograd's own
+    AccumulateGrad, neighbours batched into one engine call each: an engine call costs far more than
+    a small GEMM (on CUDA it hands over to the device thread and back), and there a parameter two
+    entries name gets the sum first, then one accumulation, and its post-accumulate hook fires once,
+    as in plain autograd. Batches stop at ``ACCUMULATE_BATCH_BYTES`` of gradients and at any other kind
+    of closure, so order and peak memory stay bounded.
     """
+    names = Counter(map(id, chain.from_iterable(fn.params for fn in group if type(fn) is _Accumulate)))
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     size = 0
-    for fn in group:
-        if not isinstance(fn, _Accumulate):
-            _accumulate(pending)
-            pending, size = [], 0
-            fn()
-            continue
-        got = fn.grads()
-        pending += got
-        size += sum(g.numel() * g.element_size() for _, g in got)
-        if size >= ACCUMULATE_BATCH_BYTES:
-            _accumulate(pending)
-            pending, size = [], 0
-    _accumulate(pending)
+    with torch.no_grad():  # once per W, not per entry (the engine runs AccumulateGrad in its own grad mode)
+        for fn in group:
+            if type(fn) is not _Accumulate:
+                _accumulate(pending)
+                pending, size = [], 0
+                fn()
+                continue
+            for p, g in fn.computed():
+                if names[id(p)] == 1 and not _hooked(p):
+                    _add_to_grad(p, g)
+                else:
+                    pending.append((p, g))
+                    size += g.nbytes
+            if size >= ACCUMULATE_BATCH_BYTES:
+                _accumulate(pending)
+                pending, size = [], 0
+        _accumulate(pending)
 
 
 @contextmanager

@@ -23,35 +23,49 @@ def _model(layers: int = 6) -> nn.Sequential:
 
 
 def _engine_calls(monkeypatch) -> list[int]:
+    """The number of roots of each engine call W makes (``weight_grad`` calls the engine through ``run_backward``)."""
     calls: list[int] = []
-    real = torch.autograd.backward
+    real = weight_grad.run_backward
 
-    def counting(tensors, grads=None, *args, **kwargs):
-        calls.append(len(tensors) if isinstance(tensors, (list, tuple)) else 1)
-        return real(tensors, grads, *args, **kwargs)
+    def counting(tensors, grads):
+        calls.append(len(tensors))
+        return real(tensors, grads)
 
-    monkeypatch.setattr(weight_grad.torch.autograd, "backward", counting)
+    monkeypatch.setattr(weight_grad, "run_backward", counting)
     return calls
 
 
 def _b_then_w(model: nn.Module, x: torch.Tensor, store: WeightGradStore, calls: list[int]) -> None:
     y = model(x)
-    with store.deferring("mb0"):
+    with store.deferring("mb0"), weight_grad.held_post_accumulate_hooks(list(model.parameters())):  # as a B does
         y.sum().backward()
     assert all(p.grad is None for p in model.parameters()), "B must leave every weight gradient to W"
     calls.clear()  # count W's engine calls only
     store.run("mb0")
 
 
-def test_one_w_is_one_engine_call_and_equals_plain_autograd(monkeypatch):
+def _observed(model: nn.Module) -> list[int]:
+    """A post-accumulate hook on every parameter (what FSDP or a gradient-sync hook would register)."""
+    fired: list[int] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: fired.append(1))
+    return fired
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_one_w_is_one_engine_call_or_none_and_equals_plain_autograd(monkeypatch, observed):
+    """Observed parameters: the six linears' weights and biases in one engine call, each hook once. Unobserved:
+    the gradients are added as AccumulateGrad would, with no engine call at all."""
     ref, model = _model(), defer_weight_grads(_model())
     x = torch.randn(4, 16, dtype=torch.float64)
     ref.double()(x).sum().backward()
     store = WeightGradStore()
     model.double()
+    fired = _observed(model) if observed else []
     calls = _engine_calls(monkeypatch)
     _b_then_w(model, x, store, calls)
-    assert calls == [12], "six linears' weights and biases in one engine call"
+    assert calls == ([12] if observed else [])
+    assert len(fired) == (12 if observed else 0)
     assert store.closures_run == 6
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
@@ -59,6 +73,7 @@ def test_one_w_is_one_engine_call_and_equals_plain_autograd(monkeypatch):
 
 def test_the_batch_bound_splits_a_w_into_several_calls(monkeypatch):
     model = defer_weight_grads(_model())
+    _observed(model)  # only observed parameters go through the engine
     per_linear = (16 * 16 + 16) * 4  # float32 bytes of one linear's weight and bias gradients
     monkeypatch.setattr(weight_grad, "ACCUMULATE_BATCH_BYTES", 2 * per_linear)
     calls = _engine_calls(monkeypatch)
