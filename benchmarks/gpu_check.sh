@@ -7,7 +7,8 @@
 #   SKIP_CPU_SUITE=1 SKIP_FP8_GEMM=1 bash benchmarks/gpu_check.sh   # leave parts out
 #
 # Parts: the environment; the CUDA tests (tests/cuda); FP8 GEMM throughput (benchmarks/fp8_gemm.py);
-# the one-GPU pipeline smoke run (benchmarks/gpu_pipeline.py, fp32 and fp8); the CPU test suite under
+# the one-GPU pipeline smoke run (benchmarks/gpu_pipeline.py, fp32 and fp8); the runtime's own cost
+# (benchmarks/runtime_overhead.py); the CPU test suite under
 # that machine's torch (another torch release than CI's: a compatibility check).
 set -u
 LOG=${OUT:-out/gpu}
@@ -35,6 +36,9 @@ part "FP8 GEMM"
 
 part "one-GPU pipeline (fp32, tf32 matmuls)"
 timeout 110 $PY benchmarks/gpu_pipeline.py --steps 5 2>&1 | tee "$LOG/gpu_pipeline.log"
+part "runtime overhead (ours / plain / torch, one process)"
+[ "${SKIP_OVERHEAD:-0}" = 1 ] && echo skipped || timeout 120 $PY benchmarks/runtime_overhead.py --device cuda \
+    --rounds 3 2>&1 | tee "$LOG/runtime_overhead.log"
 part "one-GPU pipeline (fp8)"
 timeout 150 $PY benchmarks/gpu_pipeline.py --steps 2 --chunks 4 --dim 1024 --seq 1024 --fp8 2>&1 | tee "$LOG/gpu_pipeline_fp8.log"
 
