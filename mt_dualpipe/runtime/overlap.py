@@ -140,6 +140,9 @@ class _Task:
         self.baton, self.fn = baton, fn
         self.context = contextvars.copy_context()
         self.streams = _current_streams()
+        # OpenMP's thread count is per thread (a new thread gets the machine's default): the B side uses the
+        # caller's, so its kernels split their reductions as F then B would, bit for bit, and do not oversubscribe
+        self.threads = torch.get_num_threads()
         self.error: BaseException | None = None
         self.done = threading.Event()
 
@@ -151,6 +154,8 @@ class _Task:
 
     def run(self) -> None:
         self.baton.b_thread = threading.get_ident()
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         self.baton.wait_turn(B_SIDE)
         try:
             self.context.run(self._call)
