@@ -25,7 +25,9 @@ runs F on its inputs first) overlaps it. Cheaper designs were measured or ruled 
 input-holding ranks can see an input change, but any rank's failure must reach every rank too, and
 a notice from every rank to every rank costs as much CPU as the all-reduce (0.4-0.5 ms against
 0.2-0.45 ms per step on 4 gloo ranks); a lazy scheme where receivers post cached sizes and notice a
-change from the message size cannot work on gloo, which fails a receive of the wrong size.
+change from the message size cannot work on gloo, which fails a receive of the wrong size. A
+pipeline of one rank has nobody to agree with: its own row is the agreement, and neither all-reduce
+(this one, nor the end-of-step one below) is posted.
 
 Every wait has a timeout; a wait that expires raises ``PipelineTimeoutError`` naming the rank, the
 instruction, the peer and the message.
@@ -197,7 +199,7 @@ class P2P:
         vals[self.rank * width] = int(fp != self.fingerprint)
         vals[self.rank * width + 1: (self.rank + 1) * width] = checks
         flag = torch.tensor(vals, dtype=torch.int64)
-        work = pg.allreduce([flag])  # a sum
+        work = pg.allreduce([flag]) if len(self.peers_global) > 1 else None  # a sum; one rank: its own row
         self.fingerprint = fp
         self.agreement = (work, flag, width)
 
@@ -208,7 +210,8 @@ class P2P:
         """
         work, flag, width = self.agreement
         self.agreement = None
-        self._wait([work], (0, "step start"), "every rank to start the step (input fingerprint all-reduce)", -1)
+        if work is not None:
+            self._wait([work], (0, "step start"), "every rank to start the step (input fingerprint all-reduce)", -1)
         vals = flag.tolist()
         rows = [vals[i: i + width] for i in range(0, len(vals), width)]
         if self.on_agreement is not None:
@@ -459,12 +462,13 @@ class P2P:
         """
         if self.agreement is not None:
             self.settle()
-        done = self.pg.allreduce([self._done])
+        done = self.pg.allreduce([self._done]) if len(self.peers_global) > 1 else None  # one rank: it has
         for works, free, _, comm in self.sends:
             self._wait(works, where, lambda c=comm: f"{c} to complete", comm.peer)
             _release(free)
         self.sends.clear()
-        self._wait([done], where, "every rank to finish the step (end-of-step all-reduce)", -1)
+        if done is not None:
+            self._wait([done], where, "every rank to finish the step (end-of-step all-reduce)", -1)
         self.ended = True
         if self.recvs:
             keys = ", ".join(str(k) for k in self.recvs)

@@ -64,26 +64,49 @@ class _DeferredLinearFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight, bias, dtype = ctx.weight, ctx.bias, ctx.dtype
         need_x, want_w, want_b = ctx.needs_input_grad
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        # A 2-D input (a routed expert's rows) needs no flattening: each reshape or view is an op call, as much
+        # Python as a small layer's GEMM.
+        flat = grad_out.dim() != 2
+        dy = grad_out.reshape(-1, grad_out.shape[-1]) if flat else grad_out
         if dtype is not None:
             dy = _cast(dy, dtype)
-        dx = dy.mm(weight if dtype is None else _cast(weight, dtype)).view(x.shape) if need_x else None
+        dx = None
+        if need_x:
+            dx = dy.mm(weight if dtype is None else _cast(weight, dtype))
+            if flat:
+                dx = dx.view(x.shape)
         want_b = want_b and bias is not None
         if not (want_w or want_b):
             return dx, None, None
-
-        def weight_grads() -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            dw = dy.t().mm(x.reshape(-1, x.shape[-1])) if want_w else None  # autograd's layout for W = (Wᵀ)ᵀ
-            db = dy.sum(0) if want_b else None
-            return dw, db
-
+        grads = _LinearWeightGrads(dy, x.reshape(-1, x.shape[-1]) if flat else x, want_w, want_b)
         store = WeightGradStore.active()
-        leaves = (not want_w or weight.is_leaf) and (not want_b or bias.is_leaf)
-        if store is not None and leaves:
-            store.put_grads((weight, bias), weight_grads)
+        if store is not None and (not want_w or weight.is_leaf) and (not want_b or bias.is_leaf):
+            store.put_grads((weight, bias), grads)
             return dx, None, None
-        dw, db = weight_grads()
+        dw, db = grads()
         return dx, dw, db
+
+
+class _LinearWeightGrads:
+    """A linear's weight and bias gradients from ``dy`` and its (2-D) input: what W runs, or B at once."""
+
+    __slots__ = ("dy", "x", "want_w", "want_b")
+
+    def __init__(self, dy: torch.Tensor, x: torch.Tensor, want_w: bool, want_b: bool) -> None:
+        self.dy, self.x, self.want_w, self.want_b = dy, x, want_w, want_b
+
+    def __call__(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        dy = self.dy
+        dw = dy.t().mm(self.x) if self.want_w else None  # autograd's layout for W = (Wᵀ)ᵀ
+        db = dy.sum(0) if self.want_b else None
+        return dw, db
+
+
+_apply = super(torch.autograd.Function, _DeferredLinearFunction).apply
+"""``_DeferredLinearFunction.apply`` without ``autograd.Function.apply``'s Python prologue, which only serves
+functorch transforms (vmap, grad) and tracing: about a third of what the Function costs on CPU per call."""
+
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 class DeferredLinear(nn.Linear):
@@ -107,12 +130,15 @@ class DeferredLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
         if not torch.is_grad_enabled() or not deferrable_forward() or not (
-                x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
             # nothing to differentiate, or a backward the runtime runs fused (weight_grad.fused_forward): the
             # plain node, whose backward autograd runs in C++ (same matmuls, same results)
-            return F.linear(x, self.weight, self.bias)
-        return _DeferredLinearFunction.apply(x, self.weight, self.bias)
+            return F.linear(x, weight, bias)
+        if _functorch_active() or torch.compiler.is_compiling():
+            return _DeferredLinearFunction.apply(x, weight, bias)  # the Python entry, which those need
+        return _apply(x, weight, bias)
 
 
 def defer_weight_grads(module: nn.Module, skip: Iterable[str] | Callable[[str, nn.Module], bool] | None = None
