@@ -144,16 +144,14 @@ class Variant:
             self.error = f"{type(exc).__name__}: {str(exc)[:70]}"
             return 0.0
 
-    def once(self, steps: int) -> float:
-        """The median time of ``steps`` steps."""
-        clock, got = Variant.clock, []
-        for _ in range(steps):
-            gc.collect()
-            t0 = clock()
-            self.step()
-            self.sync()
-            got.append(clock() - t0)
-        t = statistics.median(got)
+    def once(self) -> float:
+        """One step's time."""
+        gc.collect()
+        clock = Variant.clock
+        t0 = clock()
+        self.step()
+        self.sync()
+        t = clock() - t0
         self.times.append(t)
         return t
 
@@ -163,7 +161,7 @@ class Row:
 
     def __init__(self, name: str, ops: int, plain: Variant, ours: Variant, torch_: Variant | None):
         self.name, self.ops, self.plain, self.ours, self.torch = name, ops, plain, ours, torch_
-        self.steps = 1  # per variant per round: enough for ROUND_SECONDS of the plain step
+        self.rounds = 1  # rounds per ``--rounds`` round: cheap rows get more (``ROUND_SECONDS``)
 
     def variants(self) -> list[Variant]:
         return [v for v in (self.plain, self.ours, self.torch) if v is not None and v.error is None]
@@ -171,25 +169,29 @@ class Row:
     def round(self, reverse: bool) -> None:
         got = {}
         for v in (reversed(self.variants()) if reverse else self.variants()):
-            got[id(v)] = v.once(self.steps)
+            got[id(v)] = v.once()
         base = got[id(self.plain)]
         for v in self.variants():
             v.ratios.append(got[id(v)] / base)
 
 
 ROUND_SECONDS = 0.25
+"""A row whose plain step is shorter gets more rounds: ``--rounds`` x ROUND_SECONDS of plain steps per ``--rounds``."""
 
 
 def interleaved(rows: list[Row], rounds: int) -> None:
+    """Warm every variant up, then run the rounds: per row, one step of each variant (order reversed every other
+    round); a cheap row runs as many more rounds as fit ``ROUND_SECONDS`` per round, interleaved with the others."""
     warm: dict[int, float] = {}
     for row in rows:
         for v in (row.plain, row.ours, row.torch):
             if v is not None and id(v) not in warm:
                 warm[id(v)] = v.warm()
-        row.steps = max(1, round(ROUND_SECONDS / max(warm[id(row.plain)], 1e-6)))
-    for r in range(rounds):
+        row.rounds = max(1, round(ROUND_SECONDS / max(warm[id(row.plain)], 1e-6)))
+    for r in range(rounds * max(row.rounds for row in rows)):
         for row in rows:
-            row.round(reverse=bool(r % 2))
+            if r < rounds * row.rounds:
+                row.round(reverse=bool(r % 2))
 
 
 def _zero(mods: list[nn.Module]) -> None:

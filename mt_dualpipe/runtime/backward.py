@@ -17,8 +17,9 @@ twice. Roots that reach no input go to W whole.
 A frontier node whose weights are all vectors (a norm's weight and bias) has nothing worth
 deferring: re-running it in W would cost an engine call (about 30 us on CPU) for an elementwise
 reduction. B's engine call computes those gradients along with the input gradient (as extra engine
-inputs, not accumulated) and W only accumulates them, all such weights of a B in one engine call,
-so their hooks still fire at W; as the fast path computes its cheap owners' gradients in B.
+inputs, not accumulated) and W only accumulates them (``accumulate.py``: directly, or where a hook
+observes a weight through one engine call for all of them, so its hooks still fire at W); as the
+fast path computes its cheap owners' gradients in B.
 A frontier node that is a custom ``autograd.Function`` (a ``torch.compile``'d region's
 ``CompiledFunctionBackward`` is one) computes every gradient at once, so re-running it in W would
 repeat B's work: it is held the same way. That is right for a compiled region's norm weights; for matrix
@@ -38,6 +39,8 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .accumulate import accumulate
 
 _Variable = torch.autograd.Variable  # its engine is looked up per call, as torch.autograd.backward does: a
 # profiler or counter that swaps ``Variable._execution_engine`` sees the runtime's calls too
@@ -90,15 +93,22 @@ def full_backward(roots: Sequence[Any], grads: Sequence[torch.Tensor | None],
 
 
 class _Split:
-    """What W needs from a split B: per frontier node, its captured grads and the weights below it."""
+    """What W needs from a split B: per frontier node, its captured grads and the weights below it; and the
+    gradients B computed for weights it holds (``held``), which W only accumulates."""
 
-    __slots__ = ("calls", "shared")
+    __slots__ = ("calls", "shared", "held")
 
-    def __init__(self, calls: list[tuple[tuple, tuple, tuple]], shared: Any = None):
+    def __init__(self, calls: list[tuple[tuple, tuple, tuple]], shared: Any = None,
+                 held: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.calls = calls  # (edges, grads, weights) per engine call; weights () = every leaf reached
         self.shared = shared  # B's SharedRecompute: W reuses what B's checkpoint recompute made
+        self.held = held or []  # (weight, gradient), each weight once
 
     def run(self) -> None:
+        if self.held:
+            with torch.no_grad():
+                accumulate(self.held)
+            self.held = []
         with self.shared if self.shared is not None else nullcontext():
             for edges, grads, weights in self.calls:
                 _Variable._execution_engine.run_backward(edges, grads, True, False, weights, True, True)
@@ -128,44 +138,48 @@ def _analyse(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]):
 
 def _classify(starts: list, input_nodes: set, input_leaves: set) -> tuple[dict, dict, dict]:
     """Post-order walk below ``starts``: per node, whether it reaches an input; per weight-only
-    node, the weight leaves below it; per node, its children (listed once)."""
+    node, the weight leaves below it; per node, its children (listed once).
+
+    A node is on the stack once to list its children (pushed back under them) and once more to be
+    classified after them; a node with no children is classified at once. A node pushed twice by two
+    parents is skipped the second time: it is classified by then (no node is below its own parent).
+    """
     reaches_input: dict[Any, bool] = {}
     weights_under: dict[Any, frozenset] = {}  # for weight-only nodes: the leaves they reach
     children: dict[Any, list] = {}
-    stack = [(n, False) for n in starts]
+    stack = list(starts)
+    push, pop = stack.append, stack.pop
     empty = frozenset()
     while stack:  # iterative post-order DFS: children are classified before their parent
-        node, done = stack.pop()
+        node = pop()
         if node in reaches_input:
             continue
-        if not done:
-            kids = children.get(node)
-            if kids is None:
-                kids = children[node] = [c for c, _ in node.next_functions if c is not None]
-            stack.append((node, True))
-            for c in kids:
-                if c not in reaches_input:
-                    stack.append((c, False))
-            continue
+        kids = children.get(node)
+        if kids is None:  # first visit: list the children once, then classify them first
+            kids = children[node] = [c for c, _ in node.next_functions if c is not None]
+            if kids:
+                push(node)
+                for c in kids:
+                    if c not in reaches_input:
+                        push(c)
+                continue
         if node in input_nodes:
             reaches_input[node] = True
-            continue
-        kids = children[node]
-        if not kids:  # a leaf's AccumulateGrad (a weight, or an input), or a node with nothing below
+        elif not kids:  # a leaf's AccumulateGrad (a weight, or an input), or a node with nothing below
             v = getattr(node, "variable", None)
             hit = v is not None and id(v) in input_leaves
             reaches_input[node] = hit
             if not hit:
                 weights_under[node] = empty if v is None else frozenset((node,))
-            continue
-        hit = False
-        for c in kids:
-            if reaches_input[c]:
-                hit = True
-                break
-        reaches_input[node] = hit
-        if not hit:
-            weights_under[node] = empty.union(*[weights_under[c] for c in kids])
+        else:
+            hit = False
+            for c in kids:
+                if reaches_input[c]:
+                    hit = True
+                    break
+            reaches_input[node] = hit
+            if not hit:
+                weights_under[node] = empty.union(*[weights_under[c] for c in kids])
     return reaches_input, weights_under, children
 
 
@@ -314,6 +328,19 @@ def _gemm_weights_in_b(frontier: list) -> tuple[str, tuple[torch.Tensor, ...]] |
     return None
 
 
+def _rerun_or_held(frontier: list, groups: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The groups whose nodes W re-runs, and the weights B's own engine call computes the gradients of: those
+    of an opaque node (alone in its group) and of groups whose weights are all vectors."""
+    rerun, held = [], {}
+    for group in groups:
+        leaves = [leaf for i in group for leaf in frontier[i][1]]
+        if _opaque(frontier[group[0]][0]) or all(leaf.variable.dim() <= 1 for leaf in leaves):
+            held.update((leaf, None) for leaf in leaves)
+        else:
+            rerun.append(group)
+    return rerun, [leaf.variable for leaf in held]
+
+
 def _group_calls(frontier: list, groups: list[list[int]], captured: dict[Any, tuple]) -> list[tuple]:
     """W's engine calls: one per group of frontier nodes sharing weights (``_weight_groups``), from the gradients
     B captured at its nodes, restricted to the weights below them."""
@@ -357,29 +384,20 @@ def split_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         return full_backward(roots, grads, inputs), None
     if why is not None and (late := _gemm_weights_in_b(frontier)):
         why.append(late)
-    def held_in_b(group: list[int]) -> bool:  # an opaque node (alone in its group), or vector weights only
-        return _opaque(frontier[group[0]][0]) or all(leaf.variable.dim() <= 1 for i in group
-                                                     for leaf in frontier[i][1])
-
-    rerun = [g for g in groups if not held_in_b(g)]  # W re-runs these groups' nodes
-    held = list({leaf: None for g in groups if held_in_b(g) for i in g for leaf in frontier[i][1]})
-    held = [leaf.variable for leaf in held]  # B's own engine call computes their gradients
+    rerun, held = _rerun_or_held(frontier, groups)
     nodes = [frontier[i] for g in rerun for i in g]
     capture = _captured_by_engine if all(hasattr(node, "_input_metadata") for node, _ in nodes) \
         else _captured_by_prehooks  # an autograd without per-node input metadata: capture with node pre-hooks
     with shared.keeping([node for node, _ in nodes]) if shared is not None else nullcontext():
         captured = capture(roots, grads, req + held, nodes)
     got = captured.pop(None)
-    calls = []
-    if held:  # computed by B's run of their node (an opaque one, or vectors only): W only accumulates them
-        pairs = [(w, g) for w, g in zip(held, got[len(req):]) if g is not None]
-        if pairs:
-            calls.append((tuple(w for w, _ in pairs), tuple(g for _, g in pairs), ()))
-        got = got[:len(req)]
-    calls += _group_calls(frontier, rerun, captured)
+    # computed by B's run of their node (an opaque one, or vectors only): W only accumulates them
+    pairs = [(w, g) for w, g in zip(held, got[len(req):]) if g is not None]
+    got = got[:len(req)]
+    calls = _group_calls(frontier, rerun, captured)
     for root, start, g in zip(roots, starts, grads):
         if not reaches_input.get(start, False):
             calls.append(((root,), (g,), ()))
     it = iter(got)
     input_grads = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-    return input_grads, (_Split(calls, shared) if calls else None)
+    return input_grads, (_Split(calls, shared, pairs) if calls or pairs else None)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .backward import run_backward
+from .accumulate import accumulate, add_to_grad, observed, through_engine
 
 _active_lock = threading.Lock()
 _active: WeightGradStore | None = None
@@ -182,63 +182,30 @@ class _Accumulate:
                 if g is not None]
 
     def __call__(self) -> None:
-        _accumulate(self.grads())
+        through_engine(self.grads())
 
 
 def accumulate_now(params: Sequence[Any], compute: Callable[[], Sequence[Any]]) -> None:
     """What a queued ``put_grads`` entry does at W, done now (a backward with no store active).
 
     Called from inside a running backward (``linear_op``), once per layer: a nested engine call there
-    would cost more than the GEMM on small layers, so a parameter that nothing observes (no tensor
-    hook, no post-accumulate hook) gets the gradient added directly (``_add_to_grad``). Observed
-    parameters still go through the engine.
+    would cost more than the GEMM on small layers, so a parameter that nothing observes gets the gradient
+    added directly (``accumulate``). Observed parameters still go through the engine.
     """
     pairs = _Accumulate(params, compute).grads()
-    observed = [(p, g) for p, g in pairs if _hooked(p)]
     with torch.no_grad():
-        for p, g in pairs:
-            if not _hooked(p):
-                _add_to_grad(p, g)
-    _accumulate(observed)
-
-
-def _add_to_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    """What AccumulateGrad does with ``g`` (computed under no_grad, cast to ``p``'s dtype): stored when ``.grad``
-    is None (in ``p``'s layout), added in place otherwise. For a parameter that no hook observes."""
-    if p.grad is None:
-        p.grad = g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
-    else:
-        p.grad.add_(g)
-
-
-def _hooked(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "_backward_hooks", None)) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
-
-
-def _accumulate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """One engine call from the parameters: AccumulateGrad adds each gradient (a parameter listed twice
-    gets the sum, and its post-accumulate hook fires once).
-
-    The engine is called directly (``run_backward``), not through ``torch.autograd.backward``, whose
-    Python-side checks of every (tensor, gradient) pair cost about 25 us per linear on CPU, more than
-    a small layer's weight GEMM: the gradients here are made for their parameters (same shape, cast
-    to the parameter's dtype), and the engine still validates each root's gradient."""
-    if pairs:
-        run_backward([p for p, _ in pairs], [g for _, g in pairs])
+        accumulate(pairs)
 
 
 def run_group(group: Sequence[Callable[[], None]]) -> None:
     """Run one W's closures in order; ``put_grads`` gradients reach ``.grad`` as AccumulateGrad would put them.
 
-    A parameter that nothing observes (no tensor hook, no post-accumulate hook) and that only one entry
-    of this W names gets its gradient added at once (``_add_to_grad``), so the buffer is free again for
-    the next GEMM: holding a W's worth of fresh gradient buffers for one engine call made W slower on
-    CPU than the whole fused backward (new pages at every W). The others go through autograd's own
-    AccumulateGrad, neighbours batched into one engine call each: an engine call costs far more than
-    a small GEMM (on CUDA it hands over to the device thread and back), and there a parameter two
-    entries name gets the sum first, then one accumulation, and its post-accumulate hook fires once,
-    as in plain autograd. Batches stop at ``ACCUMULATE_BATCH_BYTES`` of gradients and at any other kind
-    of closure, so order and peak memory stay bounded.
+    A parameter that nothing observes and that only one entry of this W names gets its gradient added at once
+    (``accumulate.add_to_grad``), so the buffer is free again for the next GEMM. The others go through
+    autograd's own AccumulateGrad, neighbours batched into one engine call each (``accumulate.through_engine``):
+    there a parameter two entries name gets the sum first, then one accumulation, and its post-accumulate hook
+    fires once, as in plain autograd. Batches stop at ``ACCUMULATE_BATCH_BYTES`` of gradients and at any other
+    kind of closure, so order and peak memory stay bounded.
     """
     names = Counter(map(id, chain.from_iterable(fn.params for fn in group if type(fn) is _Accumulate)))
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -246,20 +213,20 @@ def run_group(group: Sequence[Callable[[], None]]) -> None:
     with torch.no_grad():  # once per W, not per entry (the engine runs AccumulateGrad in its own grad mode)
         for fn in group:
             if type(fn) is not _Accumulate:
-                _accumulate(pending)
+                through_engine(pending)
                 pending, size = [], 0
                 fn()
                 continue
             for p, g in fn.computed():
-                if names[id(p)] == 1 and not _hooked(p):
-                    _add_to_grad(p, g)
+                if names[id(p)] == 1 and not observed(p):
+                    add_to_grad(p, g)
                 else:
                     pending.append((p, g))
                     size += g.nbytes
             if size >= ACCUMULATE_BATCH_BYTES:
-                _accumulate(pending)
+                through_engine(pending)
                 pending, size = [], 0
-        _accumulate(pending)
+        through_engine(pending)
 
 
 @contextmanager

@@ -202,3 +202,39 @@ def test_a_weight_two_nodes_reach_falls_back_to_a_full_b_and_says_so_once():
         "the same weight and one reaches the other, which one W call over both would count twice. Wrap its linears "
         "with mt_dualpipe.runtime.defer_weight_grads to split them anyway."]
     assert torch.allclose(stage.module.lin.weight.grad, ref.lin.weight.grad, rtol=0, atol=1e-13)
+
+
+class Normed(nn.Module):
+    """A norm (vector weights: B computes their gradients, W only accumulates them) before a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        return self.lin(self.norm(x))
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_vector_weights_get_their_gradients_in_b_and_reach_grad_at_w(observed):
+    """Unobserved, W adds them directly; observed, through the engine, so the hook fires once, at W."""
+    torch.manual_seed(0)
+    mod = Normed().double()
+    ref = Normed().double()
+    ref.load_state_dict(mod.state_dict())
+    fired: list[torch.Tensor] = []
+    if observed:
+        mod.norm.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    x = torch.randn(3, H, dtype=torch.float64)
+    ref(x).sum().backward()
+    xs = x.clone().requires_grad_()
+    out = mod(xs)
+    ig, w = split_backward([out], [torch.ones_like(out)], [xs])
+    assert all(p.grad is None for p in mod.parameters()) and fired == []
+    w.run()
+    for p, r in zip(mod.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
+    assert len(fired) == (1 if observed else 0)
+    if observed:
+        assert torch.equal(fired[0], ref.norm.weight.grad)
