@@ -5,26 +5,32 @@ same model's plain forward and backward per micro-batch is the runtime's own wor
 the B/W split, the step's bookkeeping. Two tables:
 
 - **a block stack** (hidden 64 and 256): 8 pre-norm MLP blocks (LayerNorm -> Linear(h, 4h) -> GELU ->
-  Linear(4h, h), residual; plain ``nn.Linear`` layers) cut by ``split_model``, 8 micro-batches of
-  2 x 128 tokens, MSE loss.
+  Linear(4h, h), residual; plain ``nn.Linear`` layers, so ZB-V's split is the generic one) cut by
+  ``split_model``, 8 micro-batches of 2 x 128 tokens, MSE loss.
 - **DeepSeek-V3 stages** (the ``tiny`` preset: dim 256, 4 layers, MoE, MTP; 8 micro-batches of 1 x 256
   tokens): ``stages_for_rank`` against the plain ``DeepSeekV3Model``. 1F1B runs fused BWs (stages with
   plain linears); ZB-V, DualPipeV and DualPipe split B and W (``DeferredLinear`` stages, W deferred).
 
 Schedules: 1F1B, ZB-V, DualPipeV and DualPipe. DualPipe needs two ranks, so its one-rank program is
 the two ranks' programs merged in the order the simulator starts their ops (both chains, all four
-stages on one rank; the stack's chains share the layers, so the work is the plain model's). torch's
-rows run its schedule of the same name on the same stage modules; it has no DualPipe ("—").
+stages on one rank; the stack's chains share the layers, so the work is the plain model's). A rank
+feeds one chain through ``Pipeline.step``, so that row drives the pipeline's executor directly
+(``Pipeline.executor(...).run``, with the step-start row ``step`` would send). torch's rows run its
+schedule of the same name on the same stage modules; it has no DualPipe ("—").
 
 Per row: step time (median over rounds) and its ratio to plain, engine calls per step (every call
 into autograd's engine: ``backward``, ``grad`` and the runtimes' own) and the runtime's time per
-compute op, (row - plain) / ops: on one process that is the Python each F, B, W, BW or F&B half adds.
+compute op, (ratio - 1) x plain / ops: on one process, what each F, B, W, BW or F&B half adds.
 
 Rounds are interleaved: each round runs, per schedule, plain, ours and torch's one step each (order
 reversed every other round), and a ratio is the median over rounds of the row's time over the plain
-step measured beside it, so load that comes and goes on a shared machine moves both sides.
+step measured beside it, so load that comes and goes on a shared machine moves both sides; a row
+whose step is short gets more rounds (``ROUND_SECONDS``). On CPU the time is the process's CPU time
+(one compute thread: others' load on a shared machine hardly moves it), on a GPU wall time after a
+synchronize. The device is CUDA when one is available (``--device`` overrides).
 
-    python benchmarks/runtime_overhead.py [--device auto|cpu|cuda] [--rounds 5] [--parts stack,deepseek]
+    python benchmarks/runtime_overhead.py [--device auto|cpu|cuda] [--rounds 3] [--parts stack,deepseek]
+                                          [--hidden 64,256] [--schedules 1f1b,zbv,dualpipev,dualpipe]
 """
 
 from __future__ import annotations
@@ -360,7 +366,7 @@ def table(title: str, rows: list[Row], ref: str) -> Table:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda[:i]")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     ap.add_argument("--parts", default="stack,deepseek")
     ap.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
@@ -373,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.schedules.split(",")
     schedules = [(name, theirs) for name, theirs in SCHEDULES if name in wanted]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     console = Console(width=160)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
