@@ -15,7 +15,7 @@ from mt_dualpipe.runtime.errors import PipelineError
 from mt_dualpipe.runtime.executor import Executor, PlannedOp
 from mt_dualpipe.runtime.weight_grad import WeightGradStore
 from mt_dualpipe.schedules import build_schedule
-from mt_dualpipe.schedules.ir import Op, Program
+from mt_dualpipe.schedules.ir import Op, Program, compute_parts
 from mt_dualpipe.schedules.lower import lower
 from mt_dualpipe.schedules.ops import OpKind
 from tests.helpers.dist import run_ranks
@@ -150,3 +150,53 @@ def test_agreement_is_lazy_and_every_rank_relearns_together():
         assert r["same"] is False and r["kept"]
         assert r["one_changed"] is True and r["dropped"]
         assert r["after_failure"] is True and r["dropped_after_failure"]
+
+
+def _one_rank_agreement_worker(rank, world):
+    import torch.distributed as dist
+
+    from mt_dualpipe.runtime.comm import P2P
+
+    group = dist.distributed_c10d._get_default_group()
+    p2p = P2P(rank, [0], group, torch.device("cpu"), timeout=20)
+    seen = []
+    p2p.on_agreement = seen.append
+    p2p.begin_step(("inputs", 8), (7, 8))
+    posted = p2p.agreement[0] is not None
+    first = p2p.settle()
+    same = p2p.start_step(("inputs", 8))
+    changed = p2p.start_step(("inputs", 16))
+    p2p.finish((0, "end of step"))
+    return {"posted": posted, "first": first, "same": same, "changed": changed, "rows": seen[0], "ended": p2p.ended}
+
+
+def test_one_rank_agrees_with_itself_without_collectives():
+    """A pipeline of one rank posts neither all-reduce; its own row still goes to ``on_agreement`` and an input
+    change still makes it relearn."""
+    (res,) = run_ranks(_one_rank_agreement_worker, 1, timeout=60)
+    assert res["posted"] is False and res["ended"] is True
+    assert res["rows"] == [[7, 8]]
+    assert res["first"] is True and res["same"] is False and res["changed"] is True
+
+
+def test_a_fused_bw_builds_plain_nodes_for_deferring_linears():
+    """The executor marks the micro-batches whose backward the schedule runs fused; their F builds the plain
+    autograd node of a ``DeferredLinear`` (no Python ``autograd.Function`` for a split that never comes), except
+    under saved-tensor hooks (a checkpoint region must save in its recompute what its forward saved)."""
+    from torch.autograd.function import BackwardCFunction
+
+    from mt_dualpipe.runtime.deferred import DeferredLinear
+    from mt_dualpipe.runtime.weight_grad import fused_forward
+
+    sched = build_schedule("dualpipev", 1, 4)
+    ex = Executor(lower(sched), 0, [DeferredLinear(2, 2), DeferredLinear(2, 2)], _Unconnected(), WeightGradStore())
+    bw = {(i.chain, i.stage, i.mb) for item in ex.program.compute_ops(0) for i in compute_parts(item)
+          if i.kind == OpKind.BW}
+    assert bw and all(mb in ex.stages[c, s].fused for c, s, mb in bw)
+    assert all((c, s, mb) in bw for (c, s), st in ex.stages.items() for mb in st.fused)
+    lin, x = DeferredLinear(2, 2), torch.randn(3, 2, requires_grad=True)
+    assert isinstance(lin(x).grad_fn, BackwardCFunction)
+    with fused_forward():
+        assert not isinstance(lin(x).grad_fn, BackwardCFunction)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            assert isinstance(lin(x).grad_fn, BackwardCFunction)
