@@ -66,18 +66,22 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mt_dualpipe.data.text import PackedText, load_tokenizer  # noqa: E402
-from mt_dualpipe.layers.moe_state import moe_layers, set_ep_group, set_timeout  # noqa: E402
+from mt_dualpipe.layers.expert_parallel import fresh_mesh_group  # noqa: E402
+from mt_dualpipe.layers.moe_state import (  # noqa: E402
+    max_violation,
+    moe_layers,
+    set_ep_group,
+    set_timeout,
+    update_expert_bias,
+)
 from mt_dualpipe.layers.savers import MEMORY_SAVERS  # noqa: E402
 from mt_dualpipe.models.deepseek_v3 import (  # noqa: E402
     DeepSeekV3Config,
     DeepSeekV3Model,
     criterion_for,
-    fresh_mesh_group,
-    max_violation,
     parse_layout,
     stages_for_rank,
     sync_expert_load,
-    update_expert_bias,
 )
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402
 from mt_dualpipe.models.deepseek_v3.stage_balance import (  # noqa: E402
@@ -938,7 +942,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         history["activation_peak_bytes"] = activation_peaks(stepper, world)
         history["rank_stages"] = fp8_weight_copies(run, world)
         if args.save_pretrained:  # collective: each rank writes its stages' tensors, rank 0 the index
-            from mt_dualpipe.models.deepseek_v3 import save_pipeline_checkpoint
+            from mt_dualpipe.models.hf_checkpoint import save_pipeline_checkpoint
 
             save_pipeline_checkpoint(run.mods, args.save_pretrained, group=dist.group.WORLD)
         if rank == 0:

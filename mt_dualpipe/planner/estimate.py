@@ -204,7 +204,7 @@ def runtime_cut(model: ModelSpec, strategy: Strategy) -> list[int]:
     schedule's placement at the strategy's sequence length: ``stages_for_rank(..., seq_len=)``)."""
     info = schedule_info(strategy.schedule)
     placement = info.layout(strategy.pp, strategy.num_microbatches, **schedule_options(strategy))
-    return balanced_counts(model, placement.ranks, strategy.seq_len)
+    return balanced_counts(model, placement.ranks, strategy.seq_len, fb_units=info.fb_units)
 
 
 def ties_across_stages(model: ModelSpec, stages: int) -> bool:

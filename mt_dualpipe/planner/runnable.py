@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 from ..parallel.modes import DP_MODES, DataParallelMode, mode_for_zero_stage
+from ..schedules.registry import has_fb_units
 from .families import DEEPSEEK_V3, FAMILY_EXAMPLE, PlannedFamily
 from .model import ModelSpec
 from .stage_fill import layers_to_fill, placement_of, runs_at
@@ -199,7 +200,7 @@ def miniature(launch: dict, family: PlannedFamily = DEEPSEEK_V3, keep_pp: bool =
     elif keep_pp:
         layers = layers_to_fill(lambda k: tiny_spec(k, DEEP_MINIATURE["vocab_size"]), placement,
                                 DEEP_MINIATURE["seq_len"], least=TINY_DEEPSEEK["n_layers"],
-                                first=launch["recompute"] != "none")
+                                first=launch["recompute"] != "none", fb_units=has_fb_units(launch["schedule"]))
         out["layers"] = layers if layers != TINY_DEEPSEEK["n_layers"] else None
     return out
 

@@ -12,6 +12,20 @@ each weighted by the share of micro-batches its chain carries), the heaviest sta
 of the sorted loads. Small problems are searched exhaustively; large ones (61 blocks over 16 or 32
 stages) by moving blocks across stage boundaries while that improves the loads.
 
+Schedules with F&B units (DualPipe, DualPipeV: ``ScheduleInfo.fb_units``) add one rule. A unit pairs
+the forward of one stage a rank holds with the backward of its other stage, and hides one side's expert
+all-to-alls only behind the other side's work (``runtime/overlap.py``). A stage with no block (only the
+embedding, or only the head) has no work to hide them behind; yet the cost balance gives exactly that to
+the first stage at the tiny preset ([0, 2, 1, 1] on DualPipeV at pp 2: the last stage's block and MTP
+module make rank 0 heavy), and then none of rank 0's all-to-alls is hidden. So under F&B units a stage
+paired with one that holds MoE blocks must hold a block itself (the MTP module counts as one), when a
+layout allows it without leaving more stages between the first and the last empty (a few layers on many
+stages: 4 blocks on DualPipe's 6 stages fill the middle four only if stage 0 keeps the embedding alone). Measured with ``benchmarks/moe_overlap.py`` (pp 2 x ep 2, 4 ms per all-to-all), the
+exposed fraction of DeepSeek-V3's tiny preset goes from 0.53 to 0.31 ([1, 2, 1, 0]). Asking more, that
+both stages of a pair communicate, would give 0.17 there ([2, 1, 1, 0]) but at 671B on DualPipeV at pp 16
+put the three dense blocks and an MoE block on stage 0 beside the MTP module on the same rank, about half
+as much again as any other rank's work; the rule as it stands changes no cut at real scale.
+
 Why the planner takes this cut rather than its own chain partition (``estimate.stage_items``): the
 memory it reports must be the memory of the stages the runtime builds
 (``models/deepseek_v3/stages.py``: ``stages_for_rank`` calls ``balance`` through
@@ -27,7 +41,7 @@ Torch-free (``ModelSpec`` only), so the planner and the runtime share it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from itertools import accumulate
@@ -55,6 +69,16 @@ class PieceCosts:
     embedding: float
     blocks: tuple[float, ...]
     tail: float  # final norm, output head, MTP modules (their own embedding lookup included) and every loss
+    moe_blocks: tuple[bool, ...] = ()  # which blocks post expert all-to-alls (empty: none)
+    tail_block: bool = False  # the tail holds a block (an MTP module)
+    moe_tail: bool = False  # ... an MoE one
+
+    def stage_work(self, counts: Sequence[int]) -> list[tuple[bool, bool]]:
+        """Per stage of ``counts`` blocks per stage: (holds a block, holds an MoE block: expert all-to-alls)."""
+        bounds = list(accumulate(counts, initial=0))
+        out = [(hi > lo, any(self.moe_blocks[lo:hi])) for lo, hi in zip(bounds, bounds[1:])]
+        out[-1] = (out[-1][0] or self.tail_block, out[-1][1] or self.moe_tail)
+        return out
 
     @cached_property
     def prefix(self) -> tuple[float, ...]:
@@ -72,7 +96,27 @@ def piece_costs(model: ModelSpec, seq_len: int) -> PieceCosts:
     embed = EMBED_FLOPS_PER_DIM * model.hidden_size
     losses = (1 + model.mtp_depth) * LOSS_FLOPS_PER_CLASS * model.vocab_size
     tail = flops[-1] + losses + (embed if model.mtp_depth else 0.0)
-    return PieceCosts(flops[0] + embed, tuple(flops[1:-1]), tail)
+    items = model.items(seq_len)
+    return PieceCosts(flops[0] + embed, tuple(flops[1:-1]), tail, tuple(i.moe for i in items[1:-1]),
+                      model.mtp_depth > 0, items[-1].moe)
+
+
+def unit_pairs(placement: Placement) -> tuple[tuple[int, int], ...]:
+    """The stage pairs F&B units join: the two stages each rank holds (a V's stage r and 2P-1-r, DualPipe's
+    stage r of one chain and P-1-r of the other)."""
+    held: dict[int, list[int]] = {}
+    for chain in placement:
+        for s, r in enumerate(chain):
+            held.setdefault(r, []).append(s)
+    return tuple((stages[0], stages[1]) for stages in held.values() if len(stages) == 2)
+
+
+def _overlappable(costs: PieceCosts, pairs: tuple[tuple[int, int], ...]) -> Callable[[Sequence[int]], bool]:
+    """Whether a layout gives each F&B pair's stage a block wherever its partner holds an MoE block."""
+    def ok(counts: Sequence[int]) -> bool:
+        work = costs.stage_work(counts)
+        return all(not (work[a][1] and not work[b][0]) and not (work[b][1] and not work[a][0]) for a, b in pairs)
+    return ok
 
 
 def count_layout(n_layers: int, mtp_depth: int, num_stages: int) -> list[int]:
@@ -157,12 +201,14 @@ def _even(n: int, parts: int) -> list[int]:
     return [base + (1 if i >= parts - extra else 0) for i in range(parts)]
 
 
-def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[int, float]], least: int = 0
-             ) -> LayoutCost:
+def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[int, float]], least: int = 0,
+             keep: Callable[[Sequence[int]], bool] | None = None) -> LayoutCost:
     """Take one block from a stage and give one to another (the blocks between shift by one) while the
     sorted loads get lighter; moving across several boundaries at once crosses the plateaus that
-    one-boundary moves stop on."""
+    one-boundary moves stop on. ``keep``: only moves to layouts it accepts (when the start is one)."""
     best = layout_cost(costs, counts, weights)
+    if keep is not None and not keep(counts):
+        keep = None
     S = len(counts)
     while True:
         moves = []
@@ -174,7 +220,8 @@ def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[in
                     c = list(best.counts)
                     c[src] -= 1
                     c[dst] += 1
-                    moves.append(layout_cost(costs, c, weights))
+                    if keep is None or keep(c):
+                        moves.append(layout_cost(costs, c, weights))
         if not moves:
             return best
         lead = min(m.lead() for m in moves)  # the full key only where the heaviest rank and stage tie
@@ -185,11 +232,14 @@ def _improve(costs: PieceCosts, counts: Sequence[int], weights: Sequence[dict[in
 
 
 def balance(model: ModelSpec, placement: Placement, seq_len: int,
-            num_microbatches_per_chain: Sequence[int] | None = None, min_blocks: int = 0) -> LayoutCost:
+            num_microbatches_per_chain: Sequence[int] | None = None, min_blocks: int = 0,
+            fb_units: bool = False) -> LayoutCost:
     """Blocks per stage for ``placement`` (``schedule.placement``: the rank of each chain's stages) that
     minimise the heaviest rank's modelled cost, then the heaviest stage's (module docstring), with the
     modelled stage and rank loads. ``min_blocks``: at least that many blocks on every stage (LLaVA keeps a
-    text layer on each stage when it has enough; DeepSeek-V3 lets a stage hold only the embedding or the head)."""
+    text layer on each stage when it has enough; DeepSeek-V3 lets a stage hold only the embedding or the head).
+    ``fb_units``: the schedule pairs each rank's two stages in F&B units (``ScheduleInfo.fb_units``); a stage
+    whose partner holds MoE blocks then holds a block itself, where a layout allows it (module docstring)."""
     if not placement or len({len(c) for c in placement}) != 1:
         raise ValueError(f"placement must list chains of equal length, got {placement!r}")
     if min_blocks * len(placement[0]) > len(model.items(seq_len)) - 2:
@@ -197,24 +247,40 @@ def balance(model: ModelSpec, placement: Placement, seq_len: int,
                          f"{len(model.items(seq_len)) - 2}")
     shares = None if num_microbatches_per_chain is None else tuple(num_microbatches_per_chain)
     return _balance(piece_costs(model, seq_len), model.mtp_depth, tuple(tuple(c) for c in placement), shares,
-                    min_blocks)
+                    min_blocks, fb_units)
 
 
 @lru_cache(maxsize=256)
 def _balance(costs: PieceCosts, mtp_depth: int, placement: tuple[tuple[int, ...], ...],
-             shares: tuple[int, ...] | None, least: int = 0) -> LayoutCost:
+             shares: tuple[int, ...] | None, least: int = 0, fb_units: bool = False) -> LayoutCost:
     """``balance`` on hashable arguments, cached: the planner asks for the same cut once per strategy."""
     S, n_layers = len(placement[0]), len(costs.blocks)
     weights = stage_weights(placement, shares)
+    pairs = unit_pairs(placement) if fb_units else ()
+    keep = _overlappable(costs, pairs) if pairs and (any(costs.moe_blocks) or costs.moe_tail) else None
     if comb(n_layers - least * S + S - 1, S - 1) <= EXHAUSTIVE_LIMIT:
-        return min((layout_cost(costs, c, weights) for c in _compositions(n_layers, S, least)),
-                   key=LayoutCost.key)
-    starts = [_even(n_layers, S)]
-    if least == 0:
-        starts.append(count_layout(n_layers, mtp_depth, S))  # the block-count layout is a start
-    return min((_improve(costs, c, weights, least) for c in starts), key=LayoutCost.key)
+        layouts = [layout_cost(costs, c, weights) for c in _compositions(n_layers, S, least)]
+        best = min(layouts, key=LayoutCost.key)
+        kept = [lc for lc in layouts if keep(lc.counts)] if keep is not None else []
+    else:
+        starts = [_even(n_layers, S)]
+        if least == 0:
+            starts.append(count_layout(n_layers, mtp_depth, S))  # the block-count layout is a start
+        best = min((_improve(costs, c, weights, least) for c in starts), key=LayoutCost.key)
+        kept = [f for f in (_improve(costs, c, weights, least, keep) for c in starts) if keep(f.counts)] \
+            if keep is not None else []
+    if kept:
+        paired = min(kept, key=LayoutCost.key)
+        if _empty_between(paired.counts) <= _empty_between(best.counts):  # the rule never empties a stage
+            return paired
+    return best
 
 
-def balanced_counts(model: ModelSpec, placement: Placement, seq_len: int) -> list[int]:
+def _empty_between(counts: Sequence[int]) -> int:
+    """Stages between the first and the last with no block (they would run as pass-throughs)."""
+    return sum(1 for c in counts[1:-1] if c == 0)
+
+
+def balanced_counts(model: ModelSpec, placement: Placement, seq_len: int, fb_units: bool = False) -> list[int]:
     """``balance``'s blocks per stage (what ``stages_for_rank`` builds by default at this ``seq_len``)."""
-    return list(balance(model, placement, seq_len).counts)
+    return list(balance(model, placement, seq_len, fb_units=fb_units).counts)

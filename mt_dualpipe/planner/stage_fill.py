@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..schedules.errors import ScheduleError
-from ..schedules.registry import build_schedule, schedule_info
+from ..schedules.registry import build_schedule, has_fb_units, schedule_info
 from .model import ModelSpec
 from .stage_cut import balanced_counts
 
@@ -62,12 +62,13 @@ def runs_at(schedule: str, pp: int, options: dict | None = None, num_microbatche
 
 
 def layers_to_fill(spec_for: Callable[[int], ModelSpec], placement: Sequence[Sequence[int]], seq_len: int,
-                   least: int = 1, first: bool = False) -> int | None:
+                   least: int = 1, first: bool = False, fb_units: bool = False) -> int | None:
     """The fewest layers, at least ``least``, whose balanced cut on ``placement`` leaves no stage empty
-    (``empty_stages``; ``spec_for(layers)``: the model with that many), or None within ``SEARCH_LAYERS`` more."""
+    (``empty_stages``; ``spec_for(layers)``: the model with that many), or None within ``SEARCH_LAYERS`` more.
+    ``fb_units``: the schedule's (``registry.has_fb_units``), which the cut depends on."""
     start = max(least, len(placement[0]) - (1 if first else 2), 1)
     for layers in range(start, start + SEARCH_LAYERS):
-        if not empty_stages(balanced_counts(spec_for(layers), placement, seq_len), first):
+        if not empty_stages(balanced_counts(spec_for(layers), placement, seq_len, fb_units), first):
             return layers
     return None
 
@@ -78,7 +79,8 @@ def deepest_filled_pp(spec: ModelSpec, schedule: str, seq_len: int, below: int, 
     (``empty_stages``), or None when none does (a pp the schedule cannot run on is skipped)."""
     for pp in range(below - 1, 0, -1):
         placement = placement_of(schedule, pp, options)
-        if placement is not None and not empty_stages(balanced_counts(spec, placement, seq_len), first) and \
+        if placement is not None and \
+                not empty_stages(balanced_counts(spec, placement, seq_len, has_fb_units(schedule)), first) and \
                 runs_at(schedule, pp, options):
             return pp
     return None

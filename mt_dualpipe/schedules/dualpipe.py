@@ -124,9 +124,9 @@ def build_dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
 SCHEDULES = (
     ScheduleInfo("dualpipe", "DeepSeek-V3's bidirectional pipeline: two mirrored chains overlapped F&B",
                  "even P >= 2, even M >= 2P; 2x parameters per rank", param_copies=2, placement="dual",
-                 build=build_dualpipe),
+                 fb_units=True, build=build_dualpipe),
     ScheduleInfo("dualpipev", "DualPipe cut in half: one chain of 2P stages in a V, overlapped F&B",
-                 "M >= 2P", placement="v",
+                 "M >= 2P", placement="v", fb_units=True,
                  build=build_dualpipev),
 )
 """This module's schedules, for ``builtin.BUILTIN`` (the registry's list of built-ins)."""

@@ -23,6 +23,7 @@ class ScheduleInfo:
     build: Callable[..., Schedule]
     param_copies: int = 1  # 2 for dualpipe: every stage's parameters live on two ranks
     placement: str = "linear"  # a name of placements.PLACEMENTS, or "option" (auto: its placement= option)
+    fb_units: bool = False  # its order pairs each rank's two stages in F&B units (DualPipe, DualPipeV)
 
     @property
     def options(self) -> list[str]:

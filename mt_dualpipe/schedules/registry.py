@@ -16,7 +16,8 @@ from .errors import ScheduleError
 from .info import ScheduleInfo
 from .ir import Schedule
 
-__all__ = ["ScheduleInfo", "accepts", "build_schedule", "list_schedules", "register", "schedule_info"]
+__all__ = ["ScheduleInfo", "accepts", "build_schedule", "has_fb_units", "list_schedules", "register",
+           "schedule_info"]
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {info.name: info for info in BUILTIN}
@@ -24,10 +25,11 @@ _REGISTRY: dict[str, ScheduleInfo] = {info.name: info for info in BUILTIN}
 
 
 def register(name: str, description: str, constraints: str, *, param_copies: int = 1,
-             placement: str = "linear") -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
+             placement: str = "linear", fb_units: bool = False
+             ) -> Callable[[Callable[..., Schedule]], Callable[..., Schedule]]:
     """Decorator adding a user's generator ``(num_ranks, num_microbatches, **options) -> Schedule``."""
     def deco(fn: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        _REGISTRY[name] = ScheduleInfo(name, description, constraints, fn, param_copies, placement)
+        _REGISTRY[name] = ScheduleInfo(name, description, constraints, fn, param_copies, placement, fb_units)
         return fn
     return deco
 
@@ -36,6 +38,13 @@ def schedule_info(name: str) -> ScheduleInfo:
     if name not in _REGISTRY:
         raise ScheduleError(f"unknown schedule {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def has_fb_units(name: str) -> bool:
+    """Whether the schedule called ``name`` pairs each rank's two stages in F&B units (``ScheduleInfo.fb_units``;
+    False for a name not registered): the stage cut then keeps both or neither of them communicating
+    (``planner.stage_cut``)."""
+    return name in _REGISTRY and _REGISTRY[name].fb_units
 
 
 def list_schedules() -> list[ScheduleInfo]:

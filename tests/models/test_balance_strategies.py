@@ -17,8 +17,8 @@ from mt_dualpipe.layers.balance import (
     sequence_balance_loss,
     strategy_overrides,
 )
-from mt_dualpipe.layers.moe_state import dropped_fraction
-from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, update_expert_bias
+from mt_dualpipe.layers.moe_state import dropped_fraction, update_expert_bias
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
 from mt_dualpipe.models.deepseek_v3.moe import moe_block
 from tests.helpers.dist import run_ranks
 

@@ -17,15 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mt_dualpipe.layers.moe_state import moe_layers
+from mt_dualpipe.layers.expert_parallel import mesh_ep_group
+from mt_dualpipe.layers.moe_state import moe_layers, set_aux_loss_scale
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
     build_stages,
     criterion_for,
     expert_load_names,
-    mesh_ep_group,
-    set_aux_loss_scale,
     stages_for_rank,
     sync_expert_load,
 )

@@ -11,16 +11,14 @@ import torch
 
 from mt_dualpipe.layers.balance import sequence_balance_loss
 from mt_dualpipe.layers.expert_parallel import DEFAULT_TIMEOUT
-from mt_dualpipe.layers.moe_state import moe_layers, set_timeout
+from mt_dualpipe.layers.moe_state import moe_layers, set_aux_loss_scale, set_timeout, update_expert_bias
 from mt_dualpipe.models.deepseek_v3 import (
     DeepSeekV3Config,
     DeepSeekV3Model,
     build_stages,
     dualpipe_stage_ids,
     parse_layout,
-    set_aux_loss_scale,
     sync_replicas,
-    update_expert_bias,
     v_stage_ids,
 )
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch

@@ -10,14 +10,9 @@ import torch
 
 import mt_dualpipe.models.hf_checkpoint as hf_checkpoint
 from mt_dualpipe.fp8 import FP8Linear, dequantize, quantize_blocks
-from mt_dualpipe.models.deepseek_v3 import (
-    CheckpointError,
-    DeepSeekV3Config,
-    DeepSeekV3Model,
-    build_stages,
-    save_pipeline_checkpoint,
-)
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages
 from mt_dualpipe.models.deepseek_v3.hf_names import to_hf_name
+from mt_dualpipe.models.hf_checkpoint import CheckpointError, save_pipeline_checkpoint
 
 torch.set_num_threads(1)
 

@@ -7,14 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mt_dualpipe.models.deepseek_v3 import (
-    Checkpoint,
-    DeepSeekV3Config,
-    DeepSeekV3Model,
-    build_stages,
-    save_pipeline_checkpoint,
-    stages_for_rank,
-)
+from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model, build_stages, stages_for_rank
+from mt_dualpipe.models.hf_checkpoint import Checkpoint, save_pipeline_checkpoint
 from mt_dualpipe.schedules import build_schedule
 from tests.helpers.dist import run_ranks
 

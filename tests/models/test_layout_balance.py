@@ -19,6 +19,7 @@ from mt_dualpipe.models.deepseek_v3.stage_balance import (
 from mt_dualpipe.schedules import build_schedule
 
 TINY = DeepSeekV3Config.preset("tiny", max_seq_len=64)
+SMALL_VOCAB = DeepSeekV3Config.preset("tiny", vocab_size=64, max_seq_len=32)  # benchmarks/moe_overlap.py's sizes
 
 
 def brute_force_best_max_rank(config, placement) -> float:
@@ -102,3 +103,56 @@ def test_stages_for_rank_defaults_to_the_balanced_layout():
 def test_unequal_chains_are_refused():
     with pytest.raises(ValueError, match=r"placement must list chains of equal length, got \(\(0, 1\), \(0,\)\)"):
         balanced_layout(TINY, ((0, 1), (0,)))
+
+
+def test_f_and_b_units_give_a_block_to_the_partner_of_a_communicating_stage():
+    """Under DualPipeV's F&B units rank 0 pairs stage 0 with stage 3. At the overlap benchmark's sizes the cost
+    balance alone leaves stage 0 the embedding (nothing to hide stage 3's all-to-alls behind); with ``fb_units``
+    the cut is the best-balanced one among those where every stage beside a partner holding MoE blocks holds a
+    block (the MTP module counts as one)."""
+    from mt_dualpipe.planner.stage_cut import unit_pairs
+    from mt_dualpipe.schedules.registry import has_fb_units
+
+    assert has_fb_units("dualpipe") and has_fb_units("dualpipev")
+    assert not has_fb_units("zbv") and not has_fb_units("1f1b") and not has_fb_units("no such schedule")
+    placement = build_schedule("dualpipev", 2, 8).placement
+    assert unit_pairs(placement) == ((0, 3), (1, 2))
+    assert balance(SMALL_VOCAB, placement).counts == (0, 2, 1, 1)
+    got = balance(SMALL_VOCAB, placement, fb_units=True)
+    costs, weights = piece_costs(SMALL_VOCAB), stage_weights(placement)
+
+    def allowed(counts) -> bool:
+        moe = [sum(1 for i in range(sum(counts[:s]), sum(counts[:s + 1])) if i >= SMALL_VOCAB.n_dense_layers) > 0
+               for s in range(4)]
+        moe[3] = True  # the MTP module is an MoE block
+        block = [c > 0 for c in counts]
+        block[3] = True
+        return all(not (moe[a] and not block[b]) and not (moe[b] and not block[a]) for a, b in ((0, 3), (1, 2)))
+
+    layouts = [c for c in itertools.product(range(5), repeat=4) if sum(c) == SMALL_VOCAB.n_layers]
+    assert allowed(got.counts) and got.counts[0] > 0
+    assert max(got.ranks) == pytest.approx(min(max(layout_cost(costs, c, weights).ranks)
+                                               for c in layouts if allowed(c)))
+    assert balance(SMALL_VOCAB, build_schedule("zbv", 2, 8).placement).counts == (0, 2, 1, 1)
+    # DualPipe's mirrored chains already give both stages MoE blocks: the rule changes nothing there
+    dual = build_schedule("dualpipe", 2, 8).placement
+    assert balance(SMALL_VOCAB, dual, fb_units=True).counts == balance(SMALL_VOCAB, dual).counts == (3, 1)
+
+
+@pytest.mark.parametrize("name,P", [("dualpipev", 16), ("dualpipe", 16)])
+def test_the_f_and_b_rule_changes_no_cut_at_full_scale(name, P):
+    """At 671B the first stage holds blocks anyway, so the cut the planner's 671B figures rest on stays."""
+    config = DeepSeekV3Config.preset("671b")
+    placement = build_schedule(name, P, 2 * P).placement
+    assert balance(config, placement, fb_units=True).counts == balance(config, placement).counts
+
+
+def test_stages_for_rank_takes_the_f_and_b_cut_on_dualpipev():
+    sched = build_schedule("dualpipev", 2, 8)
+    counts = balanced_layout(SMALL_VOCAB, sched.placement, fb_units=True)
+    assert counts != balanced_layout(SMALL_VOCAB, sched.placement)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    for rank in range(2):
+        mods = stages_for_rank(SMALL_VOCAB, sched, rank)
+        for (_, stage), mod in zip(sched.local_stages(rank), mods):
+            assert list(mod.model.layers) == [str(i) for i in range(starts[stage], starts[stage] + counts[stage])]

@@ -13,7 +13,7 @@ On each rank of a pp x dp x ep mesh (see ``examples/deepseek_v3_repro.py`` for t
     opt = pipe.build_optimizer(lambda params: torch.optim.AdamW(params, lr=3e-3))
     loss, _ = pipe.step(tokens, num_chunks=M, criterion=criterion_for(mods), labels=(labels,))
     opt.step(); opt.zero_grad()        # the step already summed mirrored copies, the tied embedding, replicas
-    sync_expert_load(mods, dims); update_expert_bias(nn.ModuleList(mods))
+    sync_expert_load(mods, dims); update_expert_bias(nn.ModuleList(mods))   # layers.moe_state
 
 Routed experts are weight kind "expert" (reduced over dp only), the rest "dense" (over dp x ep);
 stages holding the embedding declare it in ``tied_parameters`` (the MTP modules share it).
@@ -24,21 +24,11 @@ the MTP depths, the last stage's declared extra, are ``mtp.{k}`` (``hf_names``: 
 
 Real checkpoints (Hugging Face layout, incl. the released FP8 one): ``DeepSeekV3Config.from_hf(path)``,
 ``DeepSeekV3Model.from_pretrained(path)`` / ``save_pretrained(path)``, per-stage
-``stages_for_rank(..., checkpoint=path)`` and ``save_pipeline_checkpoint(mods, path)`` from all ranks.
+``stages_for_rank(..., checkpoint=path)`` and ``models.hf_checkpoint.save_pipeline_checkpoint(mods, path)``
+from all ranks. The MoE helpers every family shares (expert load, bias update, EP groups) live in
+``layers.moe_state`` and ``layers.expert_parallel``.
 """
 
-from ...layers.expert_parallel import fresh_mesh_group, mesh_ep_group
-from ...layers.moe_state import (
-    dropped_fraction,
-    mark_expert_weights,
-    max_violation,
-    moe_layers,
-    set_aux_loss_scale,
-    set_ep_group,
-    set_timeout,
-    update_expert_bias,
-)
-from ..hf_checkpoint import Checkpoint, CheckpointError, save_pipeline_checkpoint
 from .config import DeepSeekV3Config
 from .layout import parse_layout, stage_layer_ids
 from .model import (
@@ -67,10 +57,7 @@ from .yarn import YarnScaling
 
 __all__ = [
     "Block", "DeepSeekV3Config", "DeepSeekV3Model", "DeepSeekV3Stage", "LossParts", "MTPModule",
-    "build_stages", "criterion_for", "dropped_fraction", "dualpipe_stage_ids", "expert_load_names",
-    "fresh_mesh_group", "language_model_losses", "mark_expert_weights", "max_violation", "mesh_ep_group",
-    "moe_block", "moe_layers", "mtp_targets", "parse_layout", "set_aux_loss_scale", "set_ep_group", "set_timeout",
-    "share_local_embedding", "stage_layer_ids", "stages_for_rank",
-    "step_normalizers", "sync_expert_load", "sync_replicas", "update_expert_bias", "v_stage_ids", "Checkpoint",
-    "CheckpointError", "YarnScaling", "save_pipeline_checkpoint",
+    "build_stages", "criterion_for", "dualpipe_stage_ids", "expert_load_names", "language_model_losses",
+    "moe_block", "mtp_targets", "parse_layout", "share_local_embedding", "stage_layer_ids", "stages_for_rank",
+    "step_normalizers", "sync_expert_load", "sync_replicas", "v_stage_ids", "YarnScaling",
 ]

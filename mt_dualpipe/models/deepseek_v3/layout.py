@@ -2,8 +2,7 @@
 
 Its own module, below ``stages.py`` (which builds the stages a layout describes; by default the
 balanced layout of ``stage_balance.py``). The block-count layout is ``planner.stage_cut.count_layout``,
-where the balancing search also starts from it. ``stages.parse_layout`` and ``stages.stage_layer_ids``
-still name these.
+where the balancing search also starts from it.
 """
 
 from __future__ import annotations

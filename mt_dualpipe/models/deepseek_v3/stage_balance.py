@@ -26,14 +26,16 @@ def piece_costs(config: DeepSeekV3Config, seq_len: int | None = None) -> PieceCo
 
 
 def balanced_layout(config: DeepSeekV3Config, placement: Sequence[Sequence[int]], seq_len: int | None = None,
-                    num_microbatches_per_chain: Sequence[int] | None = None) -> list[int]:
+                    num_microbatches_per_chain: Sequence[int] | None = None, fb_units: bool = False) -> list[int]:
     """Blocks per stage for ``placement`` (``schedule.placement``: the rank of each chain's stages) that
-    minimise the heaviest rank's modelled cost, then the heaviest stage's (``planner.stage_cut``)."""
-    return list(balance(config, placement, seq_len, num_microbatches_per_chain).counts)
+    minimise the heaviest rank's modelled cost, then the heaviest stage's (``planner.stage_cut``); with
+    ``fb_units`` (DualPipe, DualPipeV) among the layouts that leave no stage without a block beside an F&B
+    partner holding MoE blocks."""
+    return list(balance(config, placement, seq_len, num_microbatches_per_chain, fb_units).counts)
 
 
 def balance(config: DeepSeekV3Config, placement: Sequence[Sequence[int]], seq_len: int | None = None,
-            num_microbatches_per_chain: Sequence[int] | None = None) -> LayoutCost:
+            num_microbatches_per_chain: Sequence[int] | None = None, fb_units: bool = False) -> LayoutCost:
     """``balanced_layout`` with its modelled stage and rank loads."""
     return _balance(ModelSpec.from_deepseek_config(config), placement, seq_len or config.max_seq_len,
-                    num_microbatches_per_chain)
+                    num_microbatches_per_chain, fb_units=fb_units)

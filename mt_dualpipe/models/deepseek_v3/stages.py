@@ -47,11 +47,11 @@ from ...layers.moe_state import mark_expert_weights
 from ...layers.replicas import parameter_grads, sum_copies
 from ...parallel.device import collective_device
 from ...schedules.placements import make_placement
+from ...schedules.registry import has_fb_units
 from ..decoder_stage import DecoderStage, build_stage_list
 from .checkpoint import build_loaded, hf_state_dict
 from .config import DeepSeekV3Config
 from .hf_names import is_fp8_weight, is_fp32_weight
-from .layout import parse_layout as parse_layout  # re-exported: it lived here before layout.py
 from .layout import stage_layer_ids
 from .model import (
     DeepSeekV3Decoder,
@@ -178,7 +178,8 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
     ``share_embedding``: where this rank holds both the first stage and the last (DualPipe, DualPipeV,
     ZB-V: rank 0), MTP reads the main embedding itself (``share_local_embedding``), one parameter, as the
     DeepSeek-V3 report has it; pass False when each stage is wrapped with ``fully_shard`` on its own.
-    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost)
+    ``layout`` None: ``stage_balance.balanced_layout`` for the schedule's placement (per-rank modelled cost;
+    under DualPipe's F&B units no stage is left without a block beside a partner holding MoE blocks)
     at ``seq_len`` tokens per sequence (default ``config.max_seq_len``): the cut ``mt-dualpipe plan``
     assumes for a run at that sequence length (``planner.stage_cut``).
     ``mesh`` (``parallel.ParallelDims``): the routed experts are sharded over its ep group
@@ -192,7 +193,7 @@ def stages_for_rank(config: DeepSeekV3Config, schedule: Any, rank: int, layout: 
         ep_group = mesh_ep_group(mesh)
     num_stages = schedule.num_stages(0)
     if layout is None:
-        layout = balanced_layout(config, schedule.placement, seq_len)
+        layout = balanced_layout(config, schedule.placement, seq_len, fb_units=has_fb_units(schedule.name))
     wanted = [s for _, s in schedule.local_stages(rank)]
     stages = build_stages(config, num_stages, layout, source=source, indices=wanted, ep_group=ep_group,
                           defer_weight_grads=defer_weight_grads, checkpoint=checkpoint, fp8=fp8, recompute=recompute,

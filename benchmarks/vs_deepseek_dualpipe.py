@@ -1,0 +1,190 @@
+"""Step time beside deepseek-ai/DualPipe's own code: DualPipe and DualPipeV, same model, same ranks, same M.
+
+deepseek's implementation is CUDA-only in two places: its p2p receive buffers are allocated on "cuda" and its
+constructor asserts the modules sit on the current CUDA device. This script runs it on CPU over gloo by
+replacing the buffer factory (``dualpipe.comm.build_from_tensor_shapes``) with one that allocates on the CPU
+and answering the device check with the CPU; nothing else of it is touched. Its code is not part of this
+project: pass a checkout (``git clone https://github.com/deepseek-ai/DualPipe``) with ``--deepseek``.
+
+Both run the same stages (``--blocks`` MLP blocks of ``--hidden`` each, plain ``nn.Linear``: deepseek's
+weight-gradient split needs its own linear, so its DualPipe runs full backwards; ours splits B/W with its
+generic split, which the measurement includes), the same inputs and the same ``F.mse_loss``, with no
+``overlapped_forward_backward`` hook (nothing to overlap on a dense model). Rounds alternate ours and
+theirs; a step's time is the slowest rank's, the table gives medians and ours / theirs.
+
+    python benchmarks/vs_deepseek_dualpipe.py --deepseek ../DualPipe [--ranks 4] [--chunks 8] [--hidden 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from local_ranks import run_local  # noqa: E402  (benchmarks/, the script's own folder)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _deepseek(path: str, rows: int, hidden: int):
+    """deepseek's DualPipe and DualPipeV classes, made to run on CPU (module docstring)."""
+    sys.path.insert(0, path)
+    import dualpipe
+    import dualpipe.comm as comm
+
+    def cpu_buffers() -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=comm.TENSOR_DTYPE, requires_grad=True) for s in comm.TENSOR_SHAPES]
+
+    comm.build_from_tensor_shapes = cpu_buffers
+    torch.cuda.current_device = lambda: "cpu"  # its constructor compares the modules' device with this
+    comm.set_p2p_tensor_shapes([(rows, hidden)])
+    comm.set_p2p_tensor_dtype(torch.float32)
+    return dualpipe.DualPipe, dualpipe.DualPipeV
+
+
+def _inputs(name: str, rank: int, P: int, x: torch.Tensor, y: torch.Tensor):
+    """(inputs, labels) of this rank, as both implementations take them: DualPipeV's on rank 0; DualPipe's
+    first chain enters on rank 0 and ends on rank P-1, the second the other way round (half the batch each)."""
+    if name == "dualpipev":
+        return ((x,), (y,)) if rank == 0 else ((), ())
+    xs, ys = x.chunk(2), y.chunk(2)
+    if rank == 0:
+        return (xs[0],), (ys[1],)
+    if rank == P - 1:
+        return (xs[1],), (ys[0],)
+    return (), ()
+
+
+def _stage_ids(name: str, rank: int, P: int) -> list[int]:
+    return [rank, 2 * P - 1 - rank] if name == "dualpipev" else [rank, P - 1 - rank]
+
+
+def _ours(name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y):
+    from mt_dualpipe import Pipeline
+    from mt_dualpipe.schedules import build_schedule
+
+    sched = build_schedule(name, P, M)
+    mods = [copy.deepcopy(stages[s]) for _, s in sched.local_stages(rank)]
+    pipe = Pipeline(mods, sched)
+    inputs, labels = _inputs(name, rank, P, x, y)
+
+    def step() -> None:
+        pipe.step(*inputs, num_chunks=M, criterion=loss_fn, labels=labels)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _theirs(cls, name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y):
+    mods = nn.Sequential(*(copy.deepcopy(stages[s]) for s in _stage_ids(name, rank, P)))
+    pipe = cls(mods)
+    inputs, labels = _inputs(name, rank, P, x, y)
+    if not inputs:
+        inputs = (None,)
+        labels = (None,)
+
+    def step() -> None:
+        pipe.step(*inputs, num_chunks=M, criterion=loss_fn, labels=labels, return_outputs=False)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _timed(step, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        out.append(took.item())
+    return out
+
+
+def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=300))
+    dual, dual_v = _deepseek(args.deepseek, args.rows, args.hidden)
+    torch.manual_seed(0)
+    stages = [nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks))) for _ in range(2 * P)]
+    x = torch.randn(args.chunks * args.rows, args.hidden)
+    y = torch.randn(args.chunks * args.rows, args.hidden)
+    rows = []
+    for name, cls in (("dualpipe", dual), ("dualpipev", dual_v)):
+        ours = _ours(name, rank, P, stages, args.chunks, x, y)
+        theirs = _theirs(cls, name, rank, P, stages, args.chunks, x, y)
+        for _ in range(2):  # warm-up: shapes learned, caches filled
+            ours()
+            theirs()
+        mine, ref = [], []
+        for _ in range(args.rounds):  # alternating rounds: both see the same machine load
+            mine += _timed(ours, args.steps)
+            ref += _timed(theirs, args.steps)
+        ratios = [a / b for a, b in zip(mine, ref)]
+        rows.append((name, statistics.median(mine), statistics.median(ref), statistics.median(ratios),
+                     min(ratios), max(ratios)))
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deepseek", default=os.environ.get("DEEPSEEK_DUALPIPE", ""),
+                        help="a checkout of github.com/deepseek-ai/DualPipe (or $DEEPSEEK_DUALPIPE)")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=64, help="rows (tokens) per micro-batch")
+    parser.add_argument("--blocks", type=int, default=2, help="MLP blocks per stage")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3, help="steps per round")
+    args = parser.parse_args()
+    if not args.deepseek or not os.path.isfile(os.path.join(args.deepseek, "dualpipe", "dualpipe.py")):
+        parser.error("--deepseek must name a checkout of github.com/deepseek-ai/DualPipe "
+                     f"(a folder holding dualpipe/dualpipe.py), got {args.deepseek!r}")
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = run_local(worker, args.ranks, (args,), timeout=1800)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    table = Table(title=f"{args.ranks} gloo ranks, {args.chunks} micro-batches of {args.rows} x {args.hidden}, "
+                        f"{args.blocks} blocks per stage; median of {args.rounds} x {args.steps} steps each, "
+                        f"alternating; load {load:.2f}")
+    for col in ("schedule", "ours ms", "deepseek ms", "ours / deepseek", "per-step ratio min..max"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for name, mine, ref, ratio, lo, hi in rows:
+        table.add_row(name, f"{mine * 1e3:.1f}", f"{ref * 1e3:.1f}", f"{ratio:.3f}", f"{lo:.2f}..{hi:.2f}")
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    main()
