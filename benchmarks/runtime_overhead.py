@@ -9,7 +9,12 @@ the B/W split, the step's bookkeeping. Two tables:
   ``split_model``, 8 micro-batches of 2 x 128 tokens, MSE loss.
 - **DeepSeek-V3 stages** (the ``tiny`` preset: dim 256, 4 layers, MoE, MTP; 8 micro-batches of 1 x 256
   tokens): ``stages_for_rank`` against the plain ``DeepSeekV3Model``. 1F1B runs fused BWs (stages with
-  plain linears); ZB-V, DualPipeV and DualPipe split B and W (``DeferredLinear`` stages, W deferred).
+  plain linears); ZB-V, DualPipeV and DualPipe get ``DeferredLinear`` stages (W deferred).
+
+On one rank no B's gradient leaves the rank, so the runtime runs every B that its own W directly follows
+as one BW (``schedules/fuse.py``): the default rows pay no split. Each schedule with W ops therefore gets a
+second row, "every W split" (``Pipeline(..., fuse_backward=False)``), which keeps every W of the schedule:
+the split's own cost, what a rank pays where its input gradient does leave (no torch column there).
 
 Schedules: 1F1B, ZB-V, DualPipeV and DualPipe. DualPipe needs two ranks, so its one-rank program is
 the two ranks' programs merged in the order the simulator starts their ops (both chains, all four
@@ -297,6 +302,11 @@ def stack_rows(hidden: int, device: torch.device, schedules: list[tuple[str, str
         step = ours_step(Pipeline(mods, sched, timeout=120), mods, x, y, mse)
         theirs = _torch_variant(torch_name, split_model(copy.deepcopy(blocks), sched, 0, 1), device, x, y, mse)
         rows.append(Row(ours_name, compute_ops(sched), plain, Variant(f"ours {ours_name}", step, sync), theirs))
+        if sched.splits_backward:  # the same schedule with every W run as a W: what the split itself costs
+            kept = split_model(copy.deepcopy(blocks), sched, 0, 1)
+            step = ours_step(Pipeline(kept, sched, timeout=120, fuse_backward=False), kept, x, y, mse)
+            rows.append(Row(f"{ours_name}, every W split", compute_ops(sched), plain,
+                            Variant(f"ours {ours_name} split", step, sync), None))
     return rows
 
 
@@ -327,8 +337,13 @@ def deepseek_rows(device: torch.device, schedules: list[tuple[str, str | None]])
         step = ours_step(Pipeline(mods, sched, timeout=120), mods, x, y, criterion_for(mods))
         tmods = [m.to(device) for m in stages_for_rank(config, sched, 0, source=model, defer_weight_grads=False)]
         theirs = _torch_variant(torch_name, tmods, device, x, y, criterion_for(tmods))
-        label = f"{name} ({'BW fused' if fused else 'B/W split'})"
+        label = f"{name} ({'BW fused' if fused else 'W deferred'})"
         rows.append(Row(label, compute_ops(sched), plain, Variant(f"ours {name}", step, sync), theirs))
+        if not fused:  # every W of the schedule run as a W (one rank fuses them all): the split's own cost
+            kept = [m.to(device) for m in stages_for_rank(config, sched, 0, source=model)]
+            step = ours_step(Pipeline(kept, sched, timeout=120, fuse_backward=False), kept, x, y, criterion_for(kept))
+            rows.append(Row(f"{name} (every W split)", compute_ops(sched), plain,
+                            Variant(f"ours {name} split", step, sync), None))
     return rows
 
 

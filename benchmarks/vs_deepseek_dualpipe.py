@@ -6,11 +6,20 @@ replacing the buffer factory (``dualpipe.comm.build_from_tensor_shapes``) with o
 and answering the device check with the CPU; nothing else of it is touched. Its code is not part of this
 project: pass a checkout (``git clone https://github.com/deepseek-ai/DualPipe``) with ``--deepseek``.
 
-Both run the same stages (``--blocks`` MLP blocks of ``--hidden`` each, plain ``nn.Linear``: deepseek's
-weight-gradient split needs its own linear, so its DualPipe runs full backwards; ours splits B/W with its
-generic split, which the measurement includes), the same inputs and the same ``F.mse_loss``, with no
-``overlapped_forward_backward`` hook (nothing to overlap on a dense model). Rounds alternate ours and
-theirs; a step's time is the slowest rank's, the table gives medians and ours / theirs.
+Both run the same stages (``--blocks`` pre-norm MLP blocks of ``--hidden`` each), the same inputs and the same
+``F.mse_loss``, with no ``overlapped_forward_backward`` hook (nothing to overlap on a dense model), in two
+variants (``--linear``):
+
+- ``deferred``: both split every zero-bubble backward for real, each the way its library offers. Ours wraps
+  the linears with ``defer_weight_grads`` (``DeferredLinear``); deepseek's contract is a linear that queues
+  its weight-gradient GEMM on ``dualpipe.WeightGradStore`` while the store is enabled (its example's
+  ``LinearFunc``), written here against that API (``_QueuedLinear``).
+- ``plain``: ``nn.Linear`` on both. deepseek's DualPipe then runs every backward whole (nothing reaches its
+  store); ours still splits B from W where the program has room for it (its generic split), which the
+  measurement includes.
+
+Rounds alternate ours and theirs; a step's time is the slowest rank's, the table gives medians and
+ours / theirs.
 
     python benchmarks/vs_deepseek_dualpipe.py --deepseek ../DualPipe [--ranks 4] [--chunks 8] [--hidden 128]
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import itertools
 import os
 import statistics
 import sys
@@ -50,6 +60,51 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
+class _QueuedLinearFn(torch.autograd.Function):
+    """y = x W^T + b whose weight gradient goes to deepseek's ``WeightGradStore`` while it is enabled."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.params = store, (weight, bias)  # the leaves the queued GEMMs add to
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        params = ctx.params
+
+        def weight_grads() -> None:
+            for p, g in zip(params, (dy2.t() @ x2, dy2.sum(0))):
+                p.grad = g if p.grad is None else p.grad + g
+
+        if ctx.store.enabled:
+            ctx.store.put(weight_grads)
+            return dx, None, None, None
+        return dx, dy2.t() @ x2, dy2.sum(0), None
+
+
+class _QueuedLinear(nn.Linear):
+    store = None  # deepseek's WeightGradStore, set once it is imported
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _QueuedLinearFn.apply(x, self.weight, self.bias, self.store)
+
+
+def _queued(stage: nn.Module) -> nn.Module:
+    """``stage`` with every ``nn.Linear`` a ``_QueuedLinear`` (same parameters)."""
+    for name, child in stage.named_children():
+        if type(child) is nn.Linear:
+            q = _QueuedLinear(child.in_features, child.out_features)
+            q.weight, q.bias = child.weight, child.bias
+            setattr(stage, name, q)
+        else:
+            _queued(child)
+    return stage
+
+
 def _deepseek(path: str, rows: int, hidden: int):
     """deepseek's DualPipe and DualPipeV classes, made to run on CPU (module docstring)."""
     sys.path.insert(0, path)
@@ -63,6 +118,7 @@ def _deepseek(path: str, rows: int, hidden: int):
     torch.cuda.current_device = lambda: "cpu"  # its constructor compares the modules' device with this
     comm.set_p2p_tensor_shapes([(rows, hidden)])
     comm.set_p2p_tensor_dtype(torch.float32)
+    _QueuedLinear.store = dualpipe.WeightGradStore
     return dualpipe.DualPipe, dualpipe.DualPipeV
 
 
@@ -83,12 +139,15 @@ def _stage_ids(name: str, rank: int, P: int) -> list[int]:
     return [rank, 2 * P - 1 - rank] if name == "dualpipev" else [rank, P - 1 - rank]
 
 
-def _ours(name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y):
+def _ours(name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y, linear: str):
     from mt_dualpipe import Pipeline
+    from mt_dualpipe.runtime.deferred import defer_weight_grads
     from mt_dualpipe.schedules import build_schedule
 
     sched = build_schedule(name, P, M)
     mods = [copy.deepcopy(stages[s]) for _, s in sched.local_stages(rank)]
+    if linear == "deferred":
+        mods = [defer_weight_grads(m) for m in mods]
     pipe = Pipeline(mods, sched)
     inputs, labels = _inputs(name, rank, P, x, y)
 
@@ -100,8 +159,10 @@ def _ours(name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y):
     return step
 
 
-def _theirs(cls, name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y):
+def _theirs(cls, name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y, linear: str):
     mods = nn.Sequential(*(copy.deepcopy(stages[s]) for s in _stage_ids(name, rank, P)))
+    if linear == "deferred":
+        mods = _queued(mods)
     pipe = cls(mods)
     inputs, labels = _inputs(name, rank, P, x, y)
     if not inputs:
@@ -138,9 +199,9 @@ def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
     x = torch.randn(args.chunks * args.rows, args.hidden)
     y = torch.randn(args.chunks * args.rows, args.hidden)
     rows = []
-    for name, cls in (("dualpipe", dual), ("dualpipev", dual_v)):
-        ours = _ours(name, rank, P, stages, args.chunks, x, y)
-        theirs = _theirs(cls, name, rank, P, stages, args.chunks, x, y)
+    for linear, (name, cls) in itertools.product(args.linear, (("dualpipe", dual), ("dualpipev", dual_v))):
+        ours = _ours(name, rank, P, stages, args.chunks, x, y, linear)
+        theirs = _theirs(cls, name, rank, P, stages, args.chunks, x, y, linear)
         for _ in range(2):  # warm-up: shapes learned, caches filled
             ours()
             theirs()
@@ -149,7 +210,7 @@ def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
             mine += _timed(ours, args.steps)
             ref += _timed(theirs, args.steps)
         ratios = [a / b for a, b in zip(mine, ref)]
-        rows.append((name, statistics.median(mine), statistics.median(ref), statistics.median(ratios),
+        rows.append((name, linear, statistics.median(mine), statistics.median(ref), statistics.median(ratios),
                      min(ratios), max(ratios)))
     if rank == 0:
         out.put(rows)
@@ -167,6 +228,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="MLP blocks per stage")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
+    parser.add_argument("--linear", nargs="+", choices=("deferred", "plain"), default=["deferred", "plain"],
+                        help="how the linears split (module docstring)")
     args = parser.parse_args()
     if not args.deepseek or not os.path.isfile(os.path.join(args.deepseek, "dualpipe", "dualpipe.py")):
         parser.error("--deepseek must name a checkout of github.com/deepseek-ai/DualPipe "
@@ -179,10 +242,10 @@ def main() -> None:
     table = Table(title=f"{args.ranks} gloo ranks, {args.chunks} micro-batches of {args.rows} x {args.hidden}, "
                         f"{args.blocks} blocks per stage; median of {args.rounds} x {args.steps} steps each, "
                         f"alternating; load {load:.2f}")
-    for col in ("schedule", "ours ms", "deepseek ms", "ours / deepseek", "per-step ratio min..max"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
-    for name, mine, ref, ratio, lo, hi in rows:
-        table.add_row(name, f"{mine * 1e3:.1f}", f"{ref * 1e3:.1f}", f"{ratio:.3f}", f"{lo:.2f}..{hi:.2f}")
+    for col in ("schedule", "linears", "ours ms", "deepseek ms", "ours / deepseek", "per-step ratio min..max"):
+        table.add_column(col, justify="left" if col in ("schedule", "linears") else "right")
+    for name, linear, mine, ref, ratio, lo, hi in rows:
+        table.add_row(name, linear, f"{mine * 1e3:.1f}", f"{ref * 1e3:.1f}", f"{ratio:.3f}", f"{lo:.2f}..{hi:.2f}")
     Console(width=150).print(table)
 
 

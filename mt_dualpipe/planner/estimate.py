@@ -59,6 +59,7 @@ from functools import lru_cache
 from ..parallel.modes import mode_for_zero_stage
 from ..schedules import Costs, add_grad_reduction, build_schedule, schedule_info
 from ..schedules.errors import ScheduleError
+from ..schedules.fuse import executed_schedule
 from ..schedules.ir import Schedule
 from ..schedules.ops import OpKind, needs, parts, rule
 from ..schedules.placements import balanced_cuts
@@ -359,7 +360,8 @@ def planned_rank_peaks(schedule: Schedule, items: list[Item], layer_counts: list
         held.append(sum(it.w_act_bytes for it in items[k:end]) * tokens)
         k = end
     hidden = [0.0] + [hidden_bytes] * (len(layer_counts) - 1)
-    return [activation_peak_bytes(schedule.ranks[r], act, held, hidden) for r in range(len(schedule.ranks))]
+    executed = executed_schedule(schedule)  # the runtime runs a B directly followed by its own W as one BW
+    return [activation_peak_bytes(executed.ranks[r], act, held, hidden) for r in range(len(executed.ranks))]
 
 
 def activation_peak_bytes(ops: list, stage_bytes: list[float], w_bytes: list[float] | None = None,
@@ -487,12 +489,13 @@ def estimate(model: ModelSpec, system: SystemSpec, strategy: Strategy) -> Estima
     # input itself as the norm's saved tensor, already counted in act_bytes)
     if strategy.dtype != "fp32" and "norm" not in active_savers():
         stage_bytes = [b + i for b, i in zip(stage_bytes, in_bytes)]
+    executed = executed_schedule(sched)  # the order the runtime runs: adjacent B and W fused (schedules/fuse.py)
     for r in range(strategy.pp):
         local = sorted({s for _, s in sched.local_stages(r)})
         # MTP needs the embedding: a last stage away from the first keeps its own copy
         extra = model.vocab_size * model.hidden_size if model.mtp_depth and len(stages) - 1 in local \
             and 0 not in local else 0.0
-        acts = activation_peak_bytes(sched.ranks[r], stage_bytes, w_bytes, in_bytes)
+        acts = activation_peak_bytes(executed.ranks[r], stage_bytes, w_bytes, in_bytes)
         terms = memory_terms(strategy, stages, local, acts, extra, stage_bytes,
                              experts_code=family.experts_code if model.is_moe else None, saved_code=family.saved_code)
         mem = totals(terms)

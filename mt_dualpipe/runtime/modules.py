@@ -23,6 +23,7 @@ from ..parallel.layout import DEFAULT_BUCKET_BYTES
 from ..parallel.mesh import ParallelDims, from_device_mesh
 from ..parallel.stage_sync import GroupUse, StageGradSync, stage_params
 from ..schedules.errors import ScheduleError
+from ..schedules.fuse import fuse_adjacent_backward
 from ..schedules.ir import Schedule
 from ..schedules.lower import lower
 from ..schedules.registry import build_schedule, schedule_info
@@ -71,6 +72,9 @@ class Pipeline(nn.Module):
     ``needs_inputs`` / ``needs_labels`` say whether ``step()`` needs the batch's inputs / the
     criterion and labels on this rank; ``split_model`` cuts a stack of layers into this rank's
     stage modules; ``rebuilt()`` gives the same pipeline on a fresh process group.
+    ``fuse_backward`` (default True): a B that the program follows directly with its own W runs as one
+    BW (``schedules/fuse.py``: the same order and gradients, without the split's cost); False keeps
+    every split the schedule has.
 
     Data parallel (``data_parallel.py``): ``mesh=init_parallel(pp=P, dp=D)`` — or a ``DeviceMesh``
     the user built, read by its dimension names (``parallel/mesh_roles.py``) — runs the schedule on
@@ -97,7 +101,8 @@ class Pipeline(nn.Module):
                  process_group: dist.ProcessGroup | None = None, *, rank_mapping: Sequence[int] | None = None,
                  batch_dim: int = 0, timeout: float = 300.0, schedule_options: dict | None = None,
                  allow_uneven: bool = False, mesh: ParallelDims | DeviceMesh | None = None,
-                 dp_mode: str | None = None, dp_batch: str = "global", bucket_bytes: int | None = None):
+                 dp_mode: str | None = None, dp_batch: str = "global", bucket_bytes: int | None = None,
+                 fuse_backward: bool = True):
         super().__init__()
         if not dist.is_initialized():
             raise PipelineError("torch.distributed is not initialized; call dist.init_process_group first")
@@ -131,6 +136,7 @@ class Pipeline(nn.Module):
         self._setup_data_parallel(mesh, dp_mode, dp_batch, bucket_bytes, local, peers)
         self.batch_dim = batch_dim
         self.allow_uneven = allow_uneven
+        self.fuse_backward = fuse_backward  # read when an executor is built (the first step per num_chunks)
         self.rank_mapping = None if rank_mapping is None else mapping
         self.device = module_device(self.module)
         wanted, have = backend_for(self.device), dist.get_backend(self.group)
@@ -267,6 +273,7 @@ class Pipeline(nn.Module):
                           dp_mode=self.dp_mode if self.mesh is not None else None, dp_batch=self.dp_batch)
         new.record_timeline = self.record_timeline
         new.record_activation_bytes = self.record_activation_bytes
+        new.fuse_backward = self.fuse_backward
         if keep_syncs:  # no executor is built yet: the next step lowers with these
             new.reductions, new.grad_syncs = self.reductions, self.grad_syncs
         return new
@@ -289,8 +296,11 @@ class Pipeline(nn.Module):
                 sched = self.schedule
             else:
                 sched = build_schedule(self.schedule, self.num_ranks, num_chunks, **self.schedule_options)
-            ex = Executor(lower(sched, data_parallel=self.data_parallel), self.rank, list(self.module), self.p2p,
-                          self.store, syncs=self.grad_syncs, rank_name=self.rank_name)
+            program = lower(sched, data_parallel=self.data_parallel)
+            if self.fuse_backward:
+                program = fuse_adjacent_backward(program)
+            ex = Executor(program, self.rank, list(self.module), self.p2p, self.store, syncs=self.grad_syncs,
+                          rank_name=self.rank_name)
             self._executors[num_chunks] = ex
         return self._executors[num_chunks]
 

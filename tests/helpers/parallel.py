@@ -143,7 +143,7 @@ def tp_pipeline_step(rank: int, world: int, schedule: str, defer: bool, dp: int 
         parallelize_llama_stage(st, dims.submesh("tp"))
     from mt_dualpipe.runtime.stage import Stage
 
-    pipe = Pipeline(stages, schedule, mesh=dims)
+    pipe = Pipeline(stages, schedule, mesh=dims, fuse_backward=False)  # every W of the schedule runs as a W
     from torch.distributed.tensor.debug import CommDebugMode
 
     in_w = [False]

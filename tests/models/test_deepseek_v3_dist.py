@@ -184,7 +184,7 @@ def _zero_bubble_worker(rank, world, schedule, num_mb, savers=""):
     assert all(supports_fast_split(m) for m in mods)
     assert not any(type(m) is torch.nn.Linear for mod in mods for m in mod.modules())
     linears = sum(type(m) is DeferredLinear for mod in mods for m in mod.modules())
-    pipe = Pipeline(mods, sched, timeout=60)
+    pipe = Pipeline(mods, sched, timeout=60, fuse_backward=False)  # every backward of the schedule split
     calls = []  # every linear call of the training step leaves one weight-gradient GEMM
     hooks = [m.register_forward_hook(lambda *_: calls.append(1))
              for mod in mods for m in mod.modules() if type(m) is DeferredLinear]

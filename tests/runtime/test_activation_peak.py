@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mt_dualpipe.models.recompute import POLICIES, SavedActivationMeter
 from mt_dualpipe.planner.estimate import activation_peak_bytes
+from mt_dualpipe.schedules.fuse import executed_schedule
 from mt_dualpipe.schedules.registry import build_schedule
 from tests.helpers.dist import run_ranks
 from tests.helpers.saved_bytes import SEQ, config, spec
@@ -96,7 +97,8 @@ def _planned_peaks(kind: str, schedule: str, policy: str) -> list[float]:
         kept_for_w.append(sum(it.w_act_bytes for it in items[k:k + n]) * SEQ)
         k += n
     received = [0.0] + [model.hidden_size * 4.0 * SEQ] * (len(layers) - 1)  # float32 hidden states
-    return [activation_peak_bytes(sched.ranks[r], saved, kept_for_w, received) for r in range(2)]
+    executed = executed_schedule(sched)  # the runtime's order: a B directly followed by its own W runs as one BW
+    return [activation_peak_bytes(executed.ranks[r], saved, kept_for_w, received) for r in range(2)]
 
 
 def _check_planner(kind: str, schedule: str, res: list[dict]) -> None:

@@ -44,6 +44,7 @@ def _dualpipe(rank, P, num_chunks):
     for p in local.parameters():
         p.grad = None
     model = DualPipe(local, timeout=30)
+    model.fuse_backward = False  # the reference examples split every zero-bubble backward
     first, last = rank == 0, rank == P - 1
     x = full_x.chunk(2)[0] if first else full_x.chunk(2)[1] if last else None
     lab = full_l.chunk(2)[1] if first else full_l.chunk(2)[0] if last else None
@@ -84,6 +85,7 @@ def _dualpipev(rank, P, num_chunks):
     for p in local.parameters():
         p.grad = None
     model = DualPipeV(local, timeout=30)
+    model.fuse_backward = False  # the reference examples split every zero-bubble backward
     x, lab = (full_x, full_l) if rank == 0 else (None, None)
     _ExampleStage.hook_calls = LinearFunc.deferred = 0
     loss, outputs = model.step(x, num_chunks=num_chunks, criterion=criterion, labels=(lab,), return_outputs=False)

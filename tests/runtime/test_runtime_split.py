@@ -155,7 +155,7 @@ def _split_worker(rank, world, m):
         mod = copy.deepcopy(layers[rank])
         if kind != "plain":
             defer_weight_grads(mod)
-        pipe = Pipeline([mod], "zb-h1", timeout=30)
+        pipe = Pipeline([mod], "zb-h1", timeout=30, fuse_backward=False)  # every W of the schedule runs as a W
         w_ops = []
         plain_weight = Stage.weight
 
