@@ -19,7 +19,9 @@ variants (``--linear``):
   measurement includes.
 
 Rounds alternate ours and theirs; a step's time is the slowest rank's, the table gives medians and
-ours / theirs.
+ours / theirs, and the CPU time of all ranks together per step (ours / theirs): with more ranks than cores a
+rank's idle time goes to another rank's process, so the CPU a step costs decides its time more than the
+order does.
 
     python benchmarks/vs_deepseek_dualpipe.py --deepseek ../DualPipe [--ranks 4] [--chunks 8] [--hidden 128]
 """
@@ -177,15 +179,18 @@ def _theirs(cls, name: str, rank: int, P: int, stages: list[nn.Module], M: int, 
     return step
 
 
-def _timed(step, steps: int) -> list[float]:
+def _timed(step, steps: int) -> list[tuple[float, float]]:
+    """Per step: (the slowest rank's wall time, the CPU time of all ranks together)."""
     out = []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        took = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        out.append(took.item())
+        wall = torch.tensor([time.perf_counter() - t0])
+        cpu = torch.tensor([time.process_time() - c0])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        dist.all_reduce(cpu)
+        out.append((wall.item(), cpu.item()))
     return out
 
 
@@ -209,9 +214,10 @@ def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
         for _ in range(args.rounds):  # alternating rounds: both see the same machine load
             mine += _timed(ours, args.steps)
             ref += _timed(theirs, args.steps)
-        ratios = [a / b for a, b in zip(mine, ref)]
-        rows.append((name, linear, statistics.median(mine), statistics.median(ref), statistics.median(ratios),
-                     min(ratios), max(ratios)))
+        ratios = [a[0] / b[0] for a, b in zip(mine, ref)]
+        cpu = statistics.median(a[1] for a in mine) / statistics.median(b[1] for b in ref)
+        rows.append((name, linear, statistics.median(a[0] for a in mine), statistics.median(b[0] for b in ref),
+                     statistics.median(ratios), min(ratios), max(ratios), cpu))
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()
@@ -242,10 +248,12 @@ def main() -> None:
     table = Table(title=f"{args.ranks} gloo ranks, {args.chunks} micro-batches of {args.rows} x {args.hidden}, "
                         f"{args.blocks} blocks per stage; median of {args.rounds} x {args.steps} steps each, "
                         f"alternating; load {load:.2f}")
-    for col in ("schedule", "linears", "ours ms", "deepseek ms", "ours / deepseek", "per-step ratio min..max"):
+    for col in ("schedule", "linears", "ours ms", "deepseek ms", "ours / deepseek", "per-step ratio min..max",
+                "CPU ours / deepseek"):
         table.add_column(col, justify="left" if col in ("schedule", "linears") else "right")
-    for name, linear, mine, ref, ratio, lo, hi in rows:
-        table.add_row(name, linear, f"{mine * 1e3:.1f}", f"{ref * 1e3:.1f}", f"{ratio:.3f}", f"{lo:.2f}..{hi:.2f}")
+    for name, linear, mine, ref, ratio, lo, hi, cpu in rows:
+        table.add_row(name, linear, f"{mine * 1e3:.1f}", f"{ref * 1e3:.1f}", f"{ratio:.3f}", f"{lo:.2f}..{hi:.2f}",
+                      f"{cpu:.3f}")
     Console(width=150).print(table)
 
 

@@ -23,6 +23,8 @@ counts activation bytes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from .ir import FB, CommBatch, Instruction, Op, Program, Schedule
 from .lower import lower
 from .ops import BW, B, W
@@ -64,7 +66,22 @@ def fuse_adjacent_backward(program: Program) -> Program:
     return Program(schedule, ranks)
 
 
+_EXECUTED: OrderedDict[tuple[int, bool], tuple[Schedule, Schedule]] = OrderedDict()
+EXECUTED_CACHE_SIZE = 64
+
+
 def executed_schedule(schedule: Schedule, data_parallel: bool = False) -> Schedule:
     """The compute order the runtime executes for ``schedule`` (lowered, then ``fuse_adjacent_backward``):
-    what the planner's activation-memory walk follows."""
-    return fuse_adjacent_backward(lower(schedule, data_parallel=data_parallel)).compute_schedule()
+    what the planner's activation-memory walk follows. Remembered for the last ``EXECUTED_CACHE_SIZE``
+    schedule objects: the planner asks once per strategy, mostly for the same cached hand-built schedules,
+    and lowering is most of what it would cost."""
+    key = (id(schedule), data_parallel)
+    hit = _EXECUTED.get(key)
+    if hit is not None and hit[0] is schedule:
+        _EXECUTED.move_to_end(key)
+        return hit[1]
+    executed = fuse_adjacent_backward(lower(schedule, data_parallel=data_parallel)).compute_schedule()
+    _EXECUTED[key] = (schedule, executed)  # the schedule is kept alive with its entry, so its id is not reused
+    if len(_EXECUTED) > EXECUTED_CACHE_SIZE:
+        _EXECUTED.popitem(last=False)
+    return executed
