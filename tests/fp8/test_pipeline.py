@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, layers: list[nn.Module], x: torch.Tensor, y: 
     for schedule in ("zb-h1", "1f1b"):
         module = copy.deepcopy(layers[rank])
         assert supports_fast_split(module)
-        pipe = Pipeline([module], schedule, timeout=30)
+        pipe = Pipeline([module], schedule, timeout=30, fuse_backward=False)  # zb-h1: every B, then its W
         queued = []
         put = pipe.store.put
         pipe.store.put = lambda fn, put=put, queued=queued: (queued.append(fn), put(fn))  # count deferred Ws
