@@ -7,18 +7,13 @@ with an error fails the run at once (the others are killed) instead of leaving t
 from __future__ import annotations
 
 import queue
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mt_dualpipe.parallel.local_ranks import free_port
 
 
 def run_local(worker: Callable[..., None], ranks: int, args: tuple, timeout: float) -> Any:

@@ -263,13 +263,13 @@ def _torch_variant(name: str | None, mods: list[nn.Module], device: torch.device
 
 # ----- the block stack ---------------------------------------------------------------------------------
 class Block(nn.Module):
-    """A pre-norm MLP block with a residual."""
+    """A pre-norm MLP block with a residual (``expand``: the MLP's width over ``hidden``)."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, expand: int = 4) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
+        self.up = nn.Linear(hidden, expand * hidden)
+        self.down = nn.Linear(expand * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))

@@ -45,21 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from local_ranks import run_local  # noqa: E402  (benchmarks/, the script's own folder)
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 2 * hidden)
-        self.down = nn.Linear(2 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, target)
+from runtime_overhead import Block, mse  # noqa: E402  (the same pre-norm MLP block and loss)
 
 
 class _QueuedLinearFn(torch.autograd.Function):
@@ -154,7 +140,7 @@ def _ours(name: str, rank: int, P: int, stages: list[nn.Module], M: int, x, y, l
     inputs, labels = _inputs(name, rank, P, x, y)
 
     def step() -> None:
-        pipe.step(*inputs, num_chunks=M, criterion=loss_fn, labels=labels)
+        pipe.step(*inputs, num_chunks=M, criterion=mse, labels=labels)
         for m in mods:
             m.zero_grad(set_to_none=True)
 
@@ -172,7 +158,7 @@ def _theirs(cls, name: str, rank: int, P: int, stages: list[nn.Module], M: int, 
         labels = (None,)
 
     def step() -> None:
-        pipe.step(*inputs, num_chunks=M, criterion=loss_fn, labels=labels, return_outputs=False)
+        pipe.step(*inputs, num_chunks=M, criterion=mse, labels=labels, return_outputs=False)
         for m in mods:
             m.zero_grad(set_to_none=True)
 
@@ -200,7 +186,7 @@ def worker(rank: int, P: int, port: int, args: argparse.Namespace, out) -> None:
                             timeout=datetime.timedelta(seconds=300))
     dual, dual_v = _deepseek(args.deepseek, args.rows, args.hidden)
     torch.manual_seed(0)
-    stages = [nn.Sequential(*(Block(args.hidden) for _ in range(args.blocks))) for _ in range(2 * P)]
+    stages = [nn.Sequential(*(Block(args.hidden, expand=2) for _ in range(args.blocks))) for _ in range(2 * P)]
     x = torch.randn(args.chunks * args.rows, args.hidden)
     y = torch.randn(args.chunks * args.rows, args.hidden)
     rows = []

@@ -52,7 +52,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from collections import Counter
@@ -91,7 +90,7 @@ from mt_dualpipe.models.deepseek_v3.stage_balance import (  # noqa: E402
     piece_costs,
     stage_weights,
 )
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import local_init_method, spawn_local_ranks  # noqa: E402
 from mt_dualpipe.parallel.stage_sync import DP_MODES  # noqa: E402
 from mt_dualpipe.resilience import FaultInjector, Rewind, StepResult, rebuild_pipeline  # noqa: E402
 
@@ -436,7 +435,8 @@ def depth_problem(args: argparse.Namespace) -> str | None:
     rank the user asked to fill (and the expert-load sync needs weights on a rank's first stage), so the
     run is refused here, once, before any process starts, naming the stages, the model's layer count,
     the deepest pp it fills and what to pass (``mt_dualpipe.planner.stage_fill``)."""
-    from mt_dualpipe.planner.stage_fill import empty_stages, placement_of
+    from mt_dualpipe.planner.stage_cut import empty_stages
+    from mt_dualpipe.planner.stage_fill import placement_of
 
     config = model_config(args, load_tokenizer(args.tokenizer) if args.corpus else None)
     options = {} if args.virtual_stages is None else {"virtual_stages": args.virtual_stages}
@@ -958,12 +958,6 @@ def run_rank(rank: int, world: int, args: argparse.Namespace, init: str) -> None
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = depth_problem(args)
@@ -972,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: we are one of the ranks
         run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")  # parse_args set --pp
         return 0
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = local_init_method()
     world = args.pp * args.dp * args.ep
     spawn_local_ranks(run_rank, world, (world, args, init))  # forked from a server that imported torch once
     return 0

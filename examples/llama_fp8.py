@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mt_dualpipe import Pipeline  # noqa: E402
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402
 from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank, sync_replicas  # noqa: E402
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import local_init_method, spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules.registry import build_schedule  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16")
@@ -218,9 +217,7 @@ def report(args: argparse.Namespace, runs: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = local_init_method()
     with torch.multiprocessing.Manager() as manager:
         out = manager.dict()
         spawn_local_ranks(run_rank, args.ranks, (args.ranks, args, init, out))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from mt_dualpipe import Pipeline  # noqa: E402
 from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank  # noqa: E402
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import local_init_method, spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules import build_schedule  # noqa: E402
 
 
@@ -146,9 +145,7 @@ def single_process(args: argparse.Namespace) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = local_init_method()
     with torch.multiprocessing.Manager() as manager:
         out = manager.dict()
         spawn_local_ranks(run_rank, args.pp * args.dp, (args, init, out))

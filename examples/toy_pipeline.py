@@ -8,7 +8,6 @@ fast path, through ``WeightGradStore``), and whose class offers ``overlapped_for
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch
@@ -16,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mt_dualpipe import WeightGradStore
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks
+from mt_dualpipe.parallel.local_ranks import free_port, spawn_local_ranks
 from mt_dualpipe.runtime import run_backward
 
 
@@ -102,9 +101,7 @@ def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def spawn(fn: Callable, ranks: int, *args) -> None:
     """Run ``fn(rank, ranks, port, *args)`` on ``ranks`` local processes (gloo on 127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # no optimizer, no DTensor here: the ranks need torch.distributed and the runtime only (preloading the
     # default's torch._dynamo would cost ~2 s of CPU that no rank would have paid)

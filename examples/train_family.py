@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from mt_dualpipe.models.registry import (
     FAMILIES,  # noqa: E402
     planned_families,  # noqa: E402
 )
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import local_init_method, spawn_local_ranks  # noqa: E402
 from mt_dualpipe.parallel.modes import DP_MODES  # noqa: E402
 from mt_dualpipe.planner.families import FAMILY_EXAMPLE  # noqa: E402
 from mt_dualpipe.schedules import ScheduleError, build_schedule, schedule_info  # noqa: E402
@@ -216,12 +215,6 @@ def train(args: argparse.Namespace, rank: int) -> None:
               f"({time.perf_counter() - start:.1f} s)", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: we are one of the ranks
@@ -229,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")
         return 0
     world = args.pp * args.dp * args.ep
-    spawn_local_ranks(run_rank, world, (world, args, f"tcp://127.0.0.1:{free_port()}"))
+    spawn_local_ranks(run_rank, world, (world, args, local_init_method()))
     return 0
 
 

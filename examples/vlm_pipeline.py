@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from mt_dualpipe.models.llava import (  # noqa: E402
     save_pipeline_checkpoint,
     stages_for_rank,
 )
-from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import local_init_method, spawn_local_ranks  # noqa: E402
 from mt_dualpipe.schedules import build_schedule  # noqa: E402
 
 PAD, BOS, EOS = 0, 1, 2
@@ -187,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     LlavaForConditionalGeneration(config).save_pretrained(root / "init")  # a Hugging Face LLaVA checkpoint
     paths = {"data": str(data), "init": str(root / "init"), "trained": str(root / "trained")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = local_init_method()
     with torch.multiprocessing.Manager() as manager:
         out = manager.dict()
         spawn_local_ranks(run_rank, 2, (args, init, paths, out))

@@ -18,6 +18,7 @@ Multi-node runs use ``torchrun``; this is for one machine.
 from __future__ import annotations
 
 import multiprocessing
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,3 +53,15 @@ def spawn_local_ranks(fn: Callable[..., Any], nprocs: int, args: tuple = (), joi
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     local_context(preload)
     return torch_mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=start_method())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: the rendezvous port of a run's local ranks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_init_method() -> str:
+    """``init_method`` for ``dist.init_process_group`` of ranks started by ``spawn_local_ranks`` on this machine."""
+    return f"tcp://127.0.0.1:{free_port()}"

@@ -93,11 +93,11 @@ class PieceCosts:
 
 def piece_costs(model: ModelSpec, seq_len: int) -> PieceCosts:
     """The modelled cost of the embedding, each block and the tail (head + MTP + losses) at ``seq_len``."""
-    flops = [i.mm_flops + i.attn_flops for i in model.items(seq_len)]
+    items = model.items(seq_len)
+    flops = [i.mm_flops + i.attn_flops for i in items]
     embed = EMBED_FLOPS_PER_DIM * model.hidden_size
     losses = (1 + model.mtp_depth) * LOSS_FLOPS_PER_CLASS * model.vocab_size
     tail = flops[-1] + losses + (embed if model.mtp_depth else 0.0)
-    items = model.items(seq_len)
     return PieceCosts(flops[0] + embed, tuple(flops[1:-1]), tail, tuple(i.moe for i in items[1:-1]),
                       model.mtp_depth > 0, items[-1].moe)
 
@@ -272,14 +272,15 @@ def _balance(costs: PieceCosts, mtp_depth: int, placement: tuple[tuple[int, ...]
             if keep is not None else []
     if kept:
         paired = min(kept, key=LayoutCost.key)
-        if _empty_between(paired.counts) <= _empty_between(best.counts):  # the rule never empties a stage
+        if len(empty_stages(paired.counts)) <= len(empty_stages(best.counts)):  # the rule never empties a stage
             return paired
     return best
 
 
-def _empty_between(counts: Sequence[int]) -> int:
-    """Stages between the first and the last with no block (they would run as pass-throughs)."""
-    return sum(1 for c in counts[1:-1] if c == 0)
+def empty_stages(counts: Sequence[int], first: bool = False) -> list[int]:
+    """The stages before the last that hold no block (``counts``: blocks per stage); the first one only
+    with ``first`` (it holds the embedding: empty only where a recompute policy needs a block there)."""
+    return [s for s in range(0 if first else 1, len(counts) - 1) if counts[s] == 0]
 
 
 def balanced_counts(model: ModelSpec, placement: Placement, seq_len: int, fb_units: bool = False) -> list[int]:

@@ -27,16 +27,10 @@ from collections.abc import Callable, Sequence
 from ..schedules.errors import ScheduleError
 from ..schedules.registry import build_schedule, has_fb_units, schedule_info
 from .model import ModelSpec
-from .stage_cut import balanced_counts
+from .stage_cut import balanced_counts, empty_stages
 
 SEARCH_LAYERS = 128
 """How many layer counts above the first candidate ``layers_to_fill`` tries before it gives up (None)."""
-
-
-def empty_stages(counts: Sequence[int], first: bool = False) -> list[int]:
-    """The stages before the last that hold no block (``counts``: blocks per stage); the first one only
-    with ``first`` (it holds the embedding: empty only where a recompute policy needs a block there)."""
-    return [s for s in range(0 if first else 1, len(counts) - 1) if counts[s] == 0]
 
 
 def placement_of(schedule: str, pp: int, options: dict | None = None) -> tuple[tuple[int, ...], ...] | None:

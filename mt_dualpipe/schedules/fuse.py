@@ -60,10 +60,7 @@ def fuse_adjacent_backward(program: Program) -> Program:
         ranks.append(out)
     if not changed:
         return program
-    s = program.schedule
-    schedule = Schedule(s.name, s.num_ranks, s.num_microbatches, s.placement, s.microbatch_chain,
-                        [[i for i in ops if type(i) is not CommBatch] for ops in ranks], s.meta, s.microbatch_order)
-    return Program(schedule, ranks)
+    return Program(Program(program.schedule, ranks).compute_schedule(), ranks)  # its schedule: the fused ops
 
 
 _EXECUTED: OrderedDict[tuple[int, bool], tuple[Schedule, Schedule]] = OrderedDict()

@@ -13,25 +13,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mt_dualpipe.parallel.local_ranks import free_port
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def _one_rank_nccl():
     """A world of one NCCL rank in this process (the runtime's CUDA path with no peer)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
@@ -171,7 +166,7 @@ def _two_rank_worker(rank: int, port: int, queue) -> None:
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_dualpipev_over_two_nccl_ranks():
     ctx = torch.multiprocessing.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_two_rank_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -3,7 +3,6 @@ carries the launch tuple ``mt-dualpipe plan --json`` uses and every rank's optim
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deepseek_v3_repro.py"
@@ -20,11 +20,7 @@ SMALL = ["--micro-batch-size", "1", "--seq-len", "16", "--no-progress"]
 
 
 def _demo():
-    spec = importlib.util.spec_from_file_location("deepseek_v3_repro_mesh", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "deepseek_v3_repro_mesh")
 
 
 def run_demo(*args: str, summary: Path) -> tuple[dict, str]:

@@ -6,7 +6,6 @@ all-to-all times out, the groups are rebuilt)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -19,6 +18,7 @@ import torch
 
 from mt_dualpipe.data.text import PackedText, load_tokenizer
 from mt_dualpipe.layers.savers import MEMORY_SAVERS
+from tests.helpers.scripts import load_script
 from tests.helpers.text import train_tokenizer, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -205,11 +205,7 @@ def test_save_pretrained_then_fine_tune_from_it(tmp_path):
 
 
 def _example_module():
-    spec = importlib.util.spec_from_file_location("deepseek_v3_repro", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "deepseek_v3_repro")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -3,7 +3,6 @@ seed); both curves in one PNG and the relative gap printed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "llama_fp8.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("llama_fp8", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "llama_fp8")
 
 
 def test_fp8_and_fp32_train_the_same_model_on_the_same_data(tmp_path):

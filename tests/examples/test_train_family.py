@@ -5,7 +5,6 @@ trains: exit 0, the loss printed every step and falling."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from mt_dualpipe.models.registry import planned_families
 from mt_dualpipe.planner.families import FAMILY_EXAMPLE
 from mt_dualpipe.planner.runnable import miniature
 from tests.helpers.family_configs import QWEN3_235B, write_config
+from tests.helpers.scripts import load_script
 
 PLANNED = planned_families()
 
@@ -34,11 +34,7 @@ PLANS = {
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("train_family_example", ROOT / FAMILY_EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / FAMILY_EXAMPLE, "train_family_example")
 
 
 @pytest.fixture(scope="module")

@@ -277,13 +277,11 @@ def test_torchao_adapter_hands_torchao_the_same_selection(monkeypatch):
 
 
 def test_benchmark_reports_device_and_backend(capsys):
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py"
-    spec = importlib.util.spec_from_file_location("fp8_gemm_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.helpers.scripts import load_script
+
+    bench = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm.py", "fp8_gemm_bench")
     assert bench.main(["--device", "cpu", "--sizes", "128x256x128", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert "device: cpu" in out and "fp8 backend on cpu: emulated" in out and "128x256x128" in out

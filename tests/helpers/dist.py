@@ -19,7 +19,6 @@ import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from mt_dualpipe.parallel.local_ranks import free_port
 
 # What the fork server imports once, so that no rank pays for it again.
 # torch._dynamo: the first torch.optim optimizer of a process imports it (about 2 s of CPU per rank otherwise).
@@ -60,12 +61,6 @@ class RankError(RuntimeError):
     def __init__(self, failure: RankFailure):
         super().__init__(f"rank {failure.rank} raised {failure.type_name}: {failure.message}\n{failure.traceback}")
         self.failure = failure
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pack_job(fn: Callable, args: tuple) -> bytes:

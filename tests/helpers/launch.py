@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from tests.helpers.dist import free_port, pack_job, rank_context, unpack_job
+from mt_dualpipe.parallel.local_ranks import free_port
+from tests.helpers.dist import pack_job, rank_context, unpack_job
 
 
 def launch_child(rank: int, world: int, port: int, job: bytes) -> None:

@@ -11,8 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import ProcessRaisedException
 
-from mt_dualpipe.parallel.local_ranks import DEFAULT_PRELOAD, local_context, spawn_local_ranks, start_method
-from tests.helpers.dist import free_port
+from mt_dualpipe.parallel.local_ranks import (
+    DEFAULT_PRELOAD,
+    free_port,
+    local_context,
+    spawn_local_ranks,
+    start_method,
+)
 
 
 def _all_reduce_rank(rank: int, world: int, port: int, out: str) -> None:

@@ -3,7 +3,6 @@ parses back into the same tuple; what the demo or runtime cannot run gets no com
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -27,17 +26,14 @@ from mt_dualpipe.planner.runnable import (
     miniature,
     unrunnable_reasons,
 )
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 TUPLE = ("pp", "dp", "ep", "tp", "schedule", "microbatches", "dp_mode", "recompute")
 
 
 def _demo():
-    spec = importlib.util.spec_from_file_location("deepseek_v3_repro_plan", ROOT / DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / DEMO, "deepseek_v3_repro_plan")
 
 
 def _launch(**kw) -> dict:
