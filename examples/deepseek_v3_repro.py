@@ -59,10 +59,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # the ranks' fork server imports torch beside this process, not after it
+    from mt_dualpipe.parallel.local_ranks import start_rank_server
+
+    start_rank_server()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from mt_dualpipe.data.text import PackedText, load_tokenizer  # noqa: E402
 from mt_dualpipe.layers.expert_parallel import fresh_mesh_group  # noqa: E402

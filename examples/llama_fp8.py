@@ -21,10 +21,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # the ranks' fork server imports torch beside this process, not after it
+    from mt_dualpipe.parallel.local_ranks import start_rank_server
+
+    start_rank_server()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from mt_dualpipe import Pipeline  # noqa: E402
 from mt_dualpipe.models.deepseek_v3.data import synthetic_batch  # noqa: E402

@@ -23,11 +23,15 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if __name__ == "__main__":  # the ranks' fork server imports torch beside this process, not after it
+    from mt_dualpipe.parallel.local_ranks import start_rank_server
+
+    start_rank_server()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 from mt_dualpipe import Pipeline  # noqa: E402
 from mt_dualpipe.models.llama import LlamaConfig, LlamaForCausalLM, stages_for_rank  # noqa: E402

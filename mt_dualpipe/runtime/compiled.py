@@ -18,6 +18,11 @@ region of a stage (``torch.compile(module)`` or ``module.compile()``, a block or
   The stage's forward (when compilation happens) runs with
   ``torch._functorch.config.donated_buffer`` off, so nothing is asked of the user.
 
+A stage the schedule gives no W op (every backward fused, ``schedules/fuse.py``) keeps its plain
+linears in the graph as written, but not the other products: an ``FP8Linear``'s weight cache, traced,
+is a guard on each layer's own parameter, so every block would compile a graph of its own (and a
+dozen blocks would pass dynamo's recompile limit), where run outside they share one.
+
 The forwards are swapped on the instances (``module.forward``), before the region first runs; the
 parameters, state dict and numerics are unchanged. A region compiled and run before the
 ``Pipeline`` was built recompiles once at its first step.
@@ -50,12 +55,13 @@ def _product(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or bool(getattr(type(m), "supports_deferred_weight_grad", False))
 
 
-def split_products(module: nn.Module) -> int:
+def split_products(module: nn.Module, *, linears: bool = True) -> int:
     """Make every matrix product inside a compiled region of ``module`` splittable; returns how many.
 
-    Plain linears (``linear_op.splittable``) become ``mt_dualpipe::linear`` when traced; other products
-    run outside the graph. The forwards are swapped on the instances (an instance attribute: the
-    class's forward and other instances are untouched), once.
+    Plain linears (``linear_op.splittable``) become ``mt_dualpipe::linear`` when traced (``linears=False``,
+    a stage without W ops: they stay as written); other products run outside the graph. The forwards are
+    swapped on the instances (an instance attribute: the class's forward and other instances are
+    untouched), once.
     """
     done = 0
     seen: set[int] = set()
@@ -68,6 +74,8 @@ def split_products(module: nn.Module) -> int:
             if swapped or getattr(m.forward, "_mt_eager", False):
                 continue
             if linear_op.splittable(m):
+                if not linears:
+                    continue
                 linear_op.use_op_when_compiled(m)
             else:
                 eager = torch.compiler.disable(m.forward, recursive=True)

@@ -131,7 +131,8 @@ class Stage:
 
     ``rank`` (the pipeline rank, set by the ``Pipeline``) only names the rank in error messages.
     ``splits``: the schedule gives this stage W ops (split B); only then do its compiled regions need
-    their linears split out of the graph (``compiled.split_products``), which a fused BW does not.
+    their plain linears split out of the graph (``compiled.split_products``), which a fused BW does not;
+    other products (``FP8Linear``) run outside the graphs either way.
     ``fused``: the micro-batches whose backward the schedule runs fused (BW), set by the executor; their
     F runs under ``weight_grad.fused_forward`` when the module has deferring layers, so those build the
     plain autograd node (no Python ``autograd.Function`` to pay for a split that never comes).
@@ -150,8 +151,8 @@ class Stage:
         self.fast = supports_fast_split(module)
         self.reentrant: bool | None = None  # uses reentrant checkpointing; known at the first split B
         self.compiled = bool(compiled.compiled_regions(module))  # see compiled.py
-        if self.compiled and splits:
-            compiled.split_products(module)
+        if self.compiled:
+            compiled.split_products(module, linears=splits)
         self.checkpointed = False  # its forward ran non-reentrant checkpoint regions (B and W share their recompute)
         self._warned: set = set()  # warnings the module's forward raised, shown once each
         self._said_in_b: set[tuple[str, ...]] = set()  # the parameter sets a warning named as computed in B

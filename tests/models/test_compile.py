@@ -27,6 +27,7 @@ import torch._dynamo
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
+from mt_dualpipe.fp8 import convert_to_fp8
 from mt_dualpipe.models.compile import check_backend, compiled_targets
 from mt_dualpipe.models.deepseek_v3 import DeepSeekV3Config, DeepSeekV3Model
 from mt_dualpipe.models.deepseek_v3 import build_stages as deepseek_stages
@@ -153,6 +154,39 @@ def test_compiled_fp8_stage_matches_eager():
     got = split_steps(compiled, config.vocab_size, steps=1)
     assert_equal(got["grads"], want["grads"])  # float32 through E4M3: no rounding tolerance would be safe
     assert got["closures"] == want["closures"] > 0
+
+
+def test_compiled_fp8_stage_without_w_ops_shares_its_graphs_across_blocks():
+    """A stage compiled, then converted to FP8 (the demo's ``--compile --fp8``), whose schedule gives it no W
+    op (every backward fused: one rank, or ``schedules/fuse.py``), runs its FP8 layers outside the graphs as a
+    splitting stage does: traced in,
+    each layer's weight cache guarded the graph on that layer's own parameter, so every block compiled its
+    own graph (the demo's ``--compile --fp8`` passed dynamo's recompile limit), and an optimizer step, which
+    bumps the weights' versions, compiled them all again."""
+    results = []
+    for splits in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        config = deepseek_config()
+        (module,) = deepseek_stages(config, 1, source=DeepSeekV3Model(config), compile=BACKEND)
+        convert_to_fp8(module)  # after compiling, as the demo does
+        stage = Stage(module, 0, 0, True, True, WeightGradStore(), splits=splits)
+        graphs = []
+        for step in range(2):
+            t = torch.randint(0, config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(step))
+            stage.forward(0, (t[:, :-1],), module.criterion, (t[:, 1:],), True, False)
+            stage.backward(0, None, split=splits)
+            if splits:
+                stage.weight(0)
+            graphs.append(counters["stats"]["unique_graphs"])
+            with torch.no_grad():  # an optimizer step: every weight's version moves
+                for p in module.parameters():
+                    p.sub_(1e-3 * p.grad)
+        results.append((graphs, {n: p.grad for n, p in module.named_parameters()}))
+    (split_graphs, split_grads), (fused_graphs, fused_grads) = results
+    assert fused_graphs == split_graphs and fused_graphs[0] == fused_graphs[1] > 0
+    assert_equal(fused_grads, split_grads)
 
 
 def test_compile_option_is_checked():

@@ -58,3 +58,45 @@ def test_forkserver_where_the_platform_has_one_with_the_preload_and_main():
 def test_no_ranks_is_refused():
     with pytest.raises(ValueError, match="nprocs must be >= 1, got 0"):
         spawn_local_ranks(_fails_on_rank_one, 0)
+
+
+START_FIRST = """
+import multiprocessing.forkserver, os, sys
+sys.path.insert(0, {root!r})
+if __name__ == "__main__":
+    from mt_dualpipe.parallel.local_ranks import start_rank_server
+    start_rank_server(("json",))
+    print("torch loaded:", "torch" in sys.modules, "server:", multiprocessing.forkserver._forkserver._forkserver_pid
+          is not None, flush=True)
+
+import torch  # noqa: E402
+from mt_dualpipe.parallel.local_ranks import spawn_local_ranks  # noqa: E402
+
+
+def rank_fn(rank):
+    print("rank", rank, "torch in the server:", "torch" in sys.modules, flush=True)
+
+
+if __name__ == "__main__":
+    spawn_local_ranks(rank_fn, 2)
+"""
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_a_script_starts_the_server_before_it_imports_torch(tmp_path, torchrun):
+    """``start_rank_server`` at a script's top starts the fork server without importing torch (the server's
+    imports run beside the script's); the ranks then fork from it, the script (``__mp_main__``) and torch
+    already imported there. Under torchrun (RANK and WORLD_SIZE set) the process is a rank: no server."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(START_FIRST.format(root=str(Path(__file__).resolve().parents[2])))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    if torchrun:
+        env.update(RANK="0", WORLD_SIZE="1")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"torch loaded: False server: {not torchrun}"
+    assert sorted(lines[1:]) == ["rank 0 torch in the server: True", "rank 1 torch in the server: True"]
