@@ -6,7 +6,7 @@ where an input has no gradient). Messages are keyed ``(signal, chain, sending st
 signal ("F": an activation, "B": an input gradient) and the sending stage as ``schedules.ops``
 defines them (``message_key``).
 
-The step-start all-reduce (below) also carries a row of integers from every rank (``begin_step``'s
+The step-start agreement (below) also carries a row of integers from every rank (``begin_step``'s
 ``checks``), so a mistake made on one rank only fails on every rank at once (``step_checks``).
 
 Shapes are never configured. The first time a message key is used, both sides exchange a small
@@ -18,16 +18,16 @@ instead of sending.
 When the caches are dropped. Every rank must drop them in the same step, or a receiver posts a
 buffer of the old size while its sender sends metadata. Each rank compares a fingerprint of its
 step (its inputs' shapes and dtypes, the number of micro-batches) with its last step's, and a
-rank whose last step failed (``forget``) must relearn too; one tiny all-reduce (MAX) of that flag
-tells every rank. It is posted when the step begins and waited for only right before the first
-use of the cache (the rank's first ``post``), so a rank that starts with compute (the first stage
-runs F on its inputs first) overlaps it. Cheaper designs were measured or ruled out: only the
-input-holding ranks can see an input change, but any rank's failure must reach every rank too, and
-a notice from every rank to every rank costs as much CPU as the all-reduce (0.4-0.5 ms against
-0.2-0.45 ms per step on 4 gloo ranks); a lazy scheme where receivers post cached sizes and notice a
-change from the message size cannot work on gloo, which fails a receive of the wrong size. A
-pipeline of one rank has nobody to agree with: its own row is the agreement, and neither all-reduce
-(this one, nor the end-of-step one below) is posted.
+rank whose last step failed (``forget``) must relearn too; one agreement, a sum of every rank's flag
+and checks, tells every rank. It is posted when the step begins and waited for only right before the
+first use of the cache (the rank's first ``post``), so a rank that starts with compute (the first stage
+runs F on its inputs first) overlaps it. An agreement is a star over the link (``agree.py``: every
+rank's row to pipeline rank 0, the total back), about a quarter of the CPU of gloo's all-reduce. Other
+designs were ruled out: only the input-holding ranks can see an input change, but any rank's failure
+must reach every rank too; a lazy scheme where receivers post cached sizes and notice a change from
+the message size cannot work on gloo, which fails a receive of the wrong size. A pipeline of one rank
+has nobody to agree with: its own row is the agreement, and neither agreement (this one, nor the
+end-of-step one below) is posted.
 
 Every wait has a timeout; a wait that expires raises ``PipelineTimeoutError`` naming the rank, the
 instruction, the peer and the message.
@@ -38,8 +38,8 @@ writes why on the link's board and closes the link (``fail``); a wait that break
 closes this rank's link too, so the failure reaches every rank blocked on another within
 milliseconds, and each raises ``PipelinePeerError`` naming the rank that failed, its op and the
 cause. A rank can finish all its instructions before a peer fails (the peer's last W), so the step
-ends with a second tiny all-reduce on the link (posted in ``finish`` before the last sends are
-waited for): a rank returns only once every rank has finished, and raises if one failed instead.
+ends with a second agreement on the link (posted in ``finish`` before the last sends are waited
+for): a rank returns only once every rank has finished, and raises if one failed instead.
 Every rank closed its link in a failed step, so every rank opens a fresh one in the next.
 """
 
@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.ops import RULES, SEND_RECV, SIGNAL_OF_COMM
+from .agree import END_TAG, START_TAG, StarSum
 from .errors import PipelineCommError, PipelineError, PipelinePeerError, PipelineTimeoutError
 from .link import Link
 from .streams import StreamSync
@@ -165,7 +166,7 @@ class P2P:
         self.sync = StreamSync(self.device)
         self.cache: dict[tuple, Meta] = {}
         self.fingerprint: int | None = None
-        self.agreement: tuple | None = None  # (work, flag, row width) of the step's all-reduce until settled
+        self.agreement: tuple | None = None  # (agreement, flag, row width) of the step start until settled
         self.on_agreement: Callable[[list[list[int]]], None] | None = None  # checks every rank's row
         self._td: datetime.timedelta | None = None  # the timeout as a timedelta, rebuilt when it changes
         self.recvs: dict[tuple, _Recv] = {}
@@ -173,19 +174,19 @@ class P2P:
         self.tag_chains, self.tag_stages = 1, 1
         self.steps = 0  # steps begun: the same count on every rank, the board's key (link.py)
         self.refused = False  # on_agreement refused this step (on every rank alike)
-        self.ended = False  # this step's end-of-step all-reduce completed: every rank finished it
-        self._done = torch.zeros(1, dtype=torch.int64)  # what the end-of-step all-reduce carries
+        self.ended = False  # this step's end-of-step agreement completed: every rank finished it
+        self._done = torch.zeros(1, dtype=torch.int64)  # what the end-of-step agreement carries (a sum of zeros)
 
     # ----- per step ---------------------------------------------------------------------------
     def begin_step(self, signature: object, checks: Sequence[int] = (), failure: str | None = None) -> None:
         """Post this step's agreement on whether shapes must be learned again (see the module docstring).
 
         ``checks``: integers every rank contributes (the same number on every rank); after the
-        all-reduce every rank holds every rank's row, and ``on_agreement(rows)`` (if set) can refuse
-        the step on all ranks at once, naming the rank that differs. Non-blocking: the all-reduce
-        runs in the background and is settled at the first ``post`` (or at ``finish``), before any
+        agreement every rank holds every rank's row, and ``on_agreement(rows)`` (if set) can refuse
+        the step on all ranks at once, naming the rank that differs. Non-blocking: the agreement's
+        messages go in the background and is settled at the first ``post`` (or at ``finish``), before any
         learned shape is used. ``failure``: why this rank cannot run the step, written on the board
-        before the all-reduce is posted, so every peer can name it once the all-reduce is done. Opens
+        before the agreement is posted, so every peer can name it once the agreement is done. Opens
         the link first (a fresh one after a failed step: a rendezvous of every rank).
         """
         self.steps += 1
@@ -199,7 +200,8 @@ class P2P:
         vals[self.rank * width] = int(fp != self.fingerprint)
         vals[self.rank * width + 1: (self.rank + 1) * width] = checks
         flag = torch.tensor(vals, dtype=torch.int64)
-        work = pg.allreduce([flag]) if len(self.peers_global) > 1 else None  # a sum; one rank: its own row
+        size = len(self.peers_global)
+        work = StarSum(pg, self.rank, size, START_TAG, flag) if size > 1 else None  # a sum; one rank: its own row
         self.fingerprint = fp
         self.agreement = (work, flag, width)
 
@@ -211,7 +213,7 @@ class P2P:
         work, flag, width = self.agreement
         self.agreement = None
         if work is not None:
-            self._wait([work], (0, "step start"), "every rank to start the step (input fingerprint all-reduce)", -1)
+            self._wait([work], (0, "step start"), "every rank to start the step (step-start agreement)", -1)
         vals = flag.tolist()
         rows = [vals[i: i + width] for i in range(0, len(vals), width)]
         if self.on_agreement is not None:
@@ -234,7 +236,7 @@ class P2P:
         """Drop every learned shape and pending message (after a failed step): every rank relearns next step."""
         self.cache.clear()
         self.fingerprint = None
-        self.agreement = None  # an all-reduce still in flight completes on its own
+        self.agreement = None  # an agreement still in flight dies with the closed link
         self.recvs.clear()
         self.sends.clear()
 
@@ -244,7 +246,7 @@ class P2P:
         ``exc`` from a wait that broke (the link is closed: a peer closed it): the ``PipelinePeerError``
         naming the rank that failed, as its board says, or ``exc`` itself when no rank wrote there (a
         peer that died or hangs). A refused step: ``exc``, or the failure a rank wrote when it could not
-        prepare the step. After the end-of-step all-reduce: ``exc`` (every peer finished the step).
+        prepare the step. After the end-of-step agreement: ``exc`` (every peer finished the step).
         Otherwise this rank failed: it writes ``exc`` on the board, closes the link, and gets
         ``exc`` back, as a ``PipelineError`` if it is another ``Exception`` (a ``KeyboardInterrupt``
         stays what it is).
@@ -458,17 +460,18 @@ class P2P:
     def finish(self, where: tuple) -> None:
         """Wait for every outstanding send and for every rank to finish the step; called at the end of a step.
 
-        The end-of-step all-reduce is posted first, so it overlaps the waits for the last sends.
+        The end-of-step agreement is posted first, so it overlaps the waits for the last sends.
         """
         if self.agreement is not None:
             self.settle()
-        done = self.pg.allreduce([self._done]) if len(self.peers_global) > 1 else None  # one rank: it has
+        size = len(self.peers_global)
+        done = StarSum(self.pg, self.rank, size, END_TAG, self._done) if size > 1 else None  # one rank: it has
         for works, free, _, comm in self.sends:
             self._wait(works, where, lambda c=comm: f"{c} to complete", comm.peer)
             _release(free)
         self.sends.clear()
         if done is not None:
-            self._wait([done], where, "every rank to finish the step (end-of-step all-reduce)", -1)
+            self._wait([done], where, "every rank to finish the step (end-of-step agreement)", -1)
         self.ended = True
         if self.recvs:
             keys = ", ".join(str(k) for k in self.recvs)
