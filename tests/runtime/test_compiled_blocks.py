@@ -165,23 +165,42 @@ def _worker(rank: int, world: int, cases: list) -> list[dict]:
     return got
 
 
+VARIANTS = (("blocks", False), ("blocks", True), ("stage", False))
+"""How the user compiles (each block, or the whole stage) and whether the linears defer their weight GEMMs."""
+EVERY_VARIANT = ("zbv", "dualpipev")
+"""The schedules that run every variant by default (two stages per rank); the others run the first by default
+and the other two in the slow tier: a variant changes what a stage compiles, not what the schedule does."""
+
+
 @functools.cache
-def _results() -> tuple[list, list]:
+def _results(rest: bool) -> tuple[list, list]:
+    """The default cases (``rest`` False) or the slow tier's."""
     cases = []
     for name in SCHEDULES:
+        variants = VARIANTS if name in EVERY_VARIANT else VARIANTS[:1]
+        if rest:
+            variants = () if name in EVERY_VARIANT else VARIANTS[1:]
         sched = build_schedule(name, 2, M)
         torch.manual_seed(len(cases))
         layers = [TwoBlocks().double() for _ in range(len(sched.placement[0]))]
         x, labels = make_data(M, seed=5)
-        cases += [(sched, how, defer, layers, x, labels) for how, defer in
-                  (("blocks", False), ("blocks", True), ("stage", False))]
+        cases += [(sched, how, defer, layers, x, labels) for how, defer in variants]
     per_rank = run_ranks(_worker, 2, cases, timeout=300)
     return cases, [[per_rank[r][i] for r in range(2)] for i in range(len(cases))]
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_compiled_blocks_match_eager_and_compile_once(name):
-    cases, results = _results()
+    _check(name, *_results(False))
+
+
+@pytest.mark.slow  # the other variants on the schedules with one stage per rank
+@pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in EVERY_VARIANT])
+def test_the_other_variants_on_one_stage_per_rank(name):
+    _check(name, *_results(True))
+
+
+def _check(name: str, cases: list, results: list) -> None:
     for (sched, how, defer, layers, x, labels), res in zip(cases, results):
         if sched.name != name:
             continue
