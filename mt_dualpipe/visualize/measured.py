@@ -8,8 +8,11 @@ run waited for, and the schedule is re-simulated with both. What then still sepa
 measured bubble from the simulated one has two parts, which a replay of the run (every op with its
 own measured duration) separates: ops of one stage and kind that took different times (the
 simulation uses their mean), and ops that started later than their rank and inputs allowed (the
-runtime between instructions: posting sends and receives, Python). ``compare_bubble`` computes all
-of it and ``BubbleBreakdown.explain`` says it in one sentence.
+runtime between instructions: posting sends and receives, Python). A step whose gradient reductions
+outlast its last op (DualPipe's mirrored stages all-reduce their gradients after their last backward; a
+data-parallel bucket) ends later than its compute: that tail is a part of its own, measured from the
+timeline's reduction events, not an overhead between ops. ``compare_bubble`` computes all of it and
+``BubbleBreakdown.explain`` says it in one sentence.
 
 Dependencies come from ``schedules.ops`` (``item_producers``, ``makes``); nothing here re-derives them.
 """
@@ -162,7 +165,8 @@ def replay_bubble(timeline: Timeline, placement: Sequence[Sequence[int]], latenc
 class BubbleBreakdown:
     """A measured bubble rate next to its simulations (all rates are fractions of rank time)."""
 
-    measured: float
+    measured: float          # up to the step's end: its last op or gradient reduction
+    to_last_op: float        # measured up to the last compute op (a reductions' tail left out)
     compute_only: float      # simulated with per-stage, per-kind mean measured costs, no latency
     simulated: float         # the same plus the measured hop latency
     replayed: float          # every op with its own measured duration, plus the hop latency
@@ -180,12 +184,17 @@ class BubbleBreakdown:
         return self.replayed - self.simulated
 
     @property
+    def reduction(self) -> float:
+        """Bubble from gradient reductions that end after the last op: the step's tail."""
+        return self.measured - self.to_last_op
+
+    @property
     def overhead(self) -> float:
         """Bubble from ops starting later than their rank and inputs allowed: the runtime between ops."""
-        return self.measured - self.replayed
+        return self.to_last_op - self.replayed
 
     def explain(self) -> str:
-        """One sentence: the simulated rate, then what the rest of the measured bubble is (the three
+        """One sentence: the simulated rate, then what the rest of the measured bubble is (the four
         parts add up to measured − compute-only)."""
         pts = 100.0
         text = (f"simulated from per-stage costs {pts * self.compute_only:.1f} %, "
@@ -197,7 +206,8 @@ class BubbleBreakdown:
         for value, what in ((self.communication, "communication (hop latency)"),
                             (self.variance, "op-time variance (the same op on the same stage taking different "
                                             "times)"),
-                            (self.overhead, "runtime overhead between ops")):
+                            (self.overhead, "runtime overhead between ops"),
+                            (self.reduction, "gradient reductions after the last op")):
             if abs(value) > 0.0005:
                 parts.append(f"{pts * value:+.1f} points {what}")
         return text + (": " + ", ".join(parts) if parts else "")
@@ -205,7 +215,8 @@ class BubbleBreakdown:
     def to_dict(self) -> dict:
         return {"measured": self.measured, "simulated": self.simulated, "simulated_compute_only": self.compute_only,
                 "replayed": self.replayed, "hop_latency_s": self.hop_latency, "communication": self.communication,
-                "op_time_variance": self.variance, "runtime_overhead": self.overhead, "explanation": self.explain(),
+                "op_time_variance": self.variance, "runtime_overhead": self.overhead,
+                "gradient_reduction": self.reduction, "explanation": self.explain(),
                 "stage_costs_s": {k: getattr(self.costs, k) for k in ("f", "b", "w", "fb")}}
 
 
@@ -216,8 +227,12 @@ def compare_bubble(timeline: Timeline, schedule: Schedule) -> BubbleBreakdown:
     costs = stage_costs(timeline, len(placement[0]))
     latency = hop_latency(timeline, placement)
     with_comm = Costs(costs.f, costs.b, costs.w, fb=costs.fb, comm=latency)
+    summary = Summary.from_timeline(timeline)
+    span = timeline.makespan  # compute only: to the last op
+    to_last_op = sum(span - b for b in summary.busy) / (len(summary.busy) * span) if span else 0.0
     return BubbleBreakdown(
-        measured=Summary.from_timeline(timeline).bubble_rate,
+        measured=summary.bubble_rate,
+        to_last_op=to_last_op,
         compute_only=simulate(schedule, costs).bubble_rate,
         simulated=simulate(schedule, with_comm).bubble_rate,
         replayed=replay_bubble(timeline, placement, latency),

@@ -89,7 +89,9 @@ def test_example_writes_summary_timeline_and_fp8_line(first_run):
     bub = data["bubble_rate"]
     assert bub["hop_latency_s"] >= 0.0 and len(bub["stage_costs_s"]["f"]) == 2
     assert bub["simulated"] >= bub["simulated_compute_only"]
-    parts = bub["simulated_compute_only"] + bub["communication"] + bub["op_time_variance"] + bub["runtime_overhead"]
+    parts = (bub["simulated_compute_only"] + bub["communication"] + bub["op_time_variance"] + bub["runtime_overhead"]
+             + bub["gradient_reduction"])
+    assert bub["gradient_reduction"] > 0  # DualPipe all-reduces its mirrored stages' gradients after their last B
     assert parts == pytest.approx(bub["measured"])
     assert f"bubble: {bub['explanation']}" in out
     assert data["data"] == "synthetic" and data["val_loss"] == [None, None]

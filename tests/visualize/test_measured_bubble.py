@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mt_dualpipe.schedules import Costs, build_schedule, simulate
-from mt_dualpipe.schedules.timeline import Timeline
+from mt_dualpipe.schedules.timeline import Timeline, TimelineEvent
 from mt_dualpipe.visualize.measured import compare_bubble, hop_latency, replay_bubble, stage_costs
 from mt_dualpipe.visualize.metrics import Summary
 
@@ -103,6 +103,26 @@ def test_a_late_start_is_runtime_overhead_and_a_slow_op_is_variance():
     assert slow.overhead == pytest.approx(0.0, abs=1e-12)
     assert slow.variance == pytest.approx(slow.replayed - slow.simulated) and slow.variance != 0
     assert slow.replayed == pytest.approx(slow.measured)
+
+
+def test_a_reduction_past_the_last_op_is_its_own_part_not_overhead():
+    """DualPipe's mirrored stages all-reduce their gradients after their last backward: a reduction that ends
+    after every rank's last op lengthens the step, and that tail is named as such (not runtime overhead)."""
+    sched, tl = timeline_of("dualpipe", 2, 4, Costs(1.0, 2.0, 1.0, comm=0.25))
+    base = compare_bubble(tl, sched)
+    last = max(e.end for e in tl.events)
+    tail = 1.5
+    reduces = [TimelineEvent(r, "REDUCE_GRAD", 0, r, -1, last - 0.5, last + tail, lane="comm") for r in range(2)]
+    got = compare_bubble(Timeline(tl.name, tl.num_ranks, tl.num_microbatches, [*tl.events, *reduces], "measured"),
+                         sched)
+    busy = Summary.from_timeline(tl).busy
+    span = last - min(e.start for e in tl.events)
+    assert got.measured == pytest.approx(sum(span + tail - b for b in busy) / (2 * (span + tail)))
+    assert got.to_last_op == pytest.approx(base.measured)
+    assert got.reduction == pytest.approx(got.measured - base.measured) and got.reduction > 0
+    assert got.overhead == pytest.approx(0.0, abs=1e-12) and got.variance == pytest.approx(0.0, abs=1e-12)
+    assert f"+{100 * got.reduction:.1f} points gradient reductions after the last op" in got.explain()
+    assert "gradient reductions" not in base.explain()
 
 
 def test_replay_without_latency_of_a_simulation_is_its_bubble():
