@@ -184,8 +184,8 @@ class P2P:
         ``checks``: integers every rank contributes (the same number on every rank); after the
         agreement every rank holds every rank's row, and ``on_agreement(rows)`` (if set) can refuse
         the step on all ranks at once, naming the rank that differs. Non-blocking: the agreement's
-        messages go in the background and is settled at the first ``post`` (or at ``finish``), before any
-        learned shape is used. ``failure``: why this rank cannot run the step, written on the board
+        messages go out in the background, and it is settled at the first ``post`` (or at ``finish``),
+        before any learned shape is used. ``failure``: why this rank cannot run the step, written on the board
         before the agreement is posted, so every peer can name it once the agreement is done. Opens
         the link first (a fresh one after a failed step: a rendezvous of every rank).
         """
