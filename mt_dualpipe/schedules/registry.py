@@ -42,8 +42,8 @@ def schedule_info(name: str) -> ScheduleInfo:
 
 def has_fb_units(name: str) -> bool:
     """Whether the schedule called ``name`` pairs each rank's two stages in F&B units (``ScheduleInfo.fb_units``;
-    False for a name not registered): the stage cut then keeps both or neither of them communicating
-    (``planner.stage_cut``)."""
+    False for a name not registered): the stage cut then gives a block to any stage whose partner holds MoE
+    blocks (``planner.stage_cut``)."""
     return name in _REGISTRY and _REGISTRY[name].fb_units
 
 

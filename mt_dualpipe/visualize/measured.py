@@ -29,7 +29,7 @@ from ..schedules.ir import FB, Op, Schedule
 from ..schedules.ops import OpKind, item_producers, makes, parts
 from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline, TimelineEvent
-from .metrics import Summary, events_by_rank
+from .metrics import Summary, events_by_rank, idle_share
 
 
 def event_item(e: TimelineEvent) -> Op | FB:
@@ -158,7 +158,7 @@ def replay_bubble(timeline: Timeline, placement: Sequence[Sequence[int]], latenc
                 made[key] = free[e.rank]
     makespan = max(free.values())
     P = timeline.num_ranks
-    return sum(makespan - busy[r] for r in range(P)) / (P * makespan) if makespan else 0.0
+    return idle_share([busy[r] for r in range(P)], makespan)
 
 
 @dataclass(frozen=True)
@@ -228,11 +228,9 @@ def compare_bubble(timeline: Timeline, schedule: Schedule) -> BubbleBreakdown:
     latency = hop_latency(timeline, placement)
     with_comm = Costs(costs.f, costs.b, costs.w, fb=costs.fb, comm=latency)
     summary = Summary.from_timeline(timeline)
-    span = timeline.makespan  # compute only: to the last op
-    to_last_op = sum(span - b for b in summary.busy) / (len(summary.busy) * span) if span else 0.0
     return BubbleBreakdown(
         measured=summary.bubble_rate,
-        to_last_op=to_last_op,
+        to_last_op=idle_share(summary.busy, timeline.makespan),  # Timeline.makespan: compute only, to the last op
         compute_only=simulate(schedule, costs).bubble_rate,
         simulated=simulate(schedule, with_comm).bubble_rate,
         replayed=replay_bubble(timeline, placement, latency),

@@ -9,6 +9,7 @@ or BW finishes.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..schedules.costs import Costs
@@ -68,12 +69,18 @@ class Summary:
         makespan = step_span(timeline)
         busy = [sum(e.end - e.start for e in per_rank[r]) for r in range(P)]
         bubble = [makespan - b for b in busy]
-        rate = sum(bubble) / (P * makespan) if makespan and P else 0.0
+        rate = idle_share(busy, makespan)
         reduces = collective_by_rank(timeline)
         exposed = [max(0.0, max((e.end for e in reduces[r]), default=0.0)
                        - max((e.end for e in per_rank[r]), default=0.0)) for r in range(P)] if any(reduces) else []
         return cls(timeline.name, P, timeline.num_microbatches, makespan, busy, bubble, rate,
                    [peak_activations(per_rank[r]) for r in range(P)], exposed)
+
+
+def idle_share(busy: Sequence[float], span: float) -> float:
+    """The share of the ranks' time over ``span`` that they sat idle, ``busy`` per rank: a bubble rate
+    (0.0 for an empty span or no rank)."""
+    return sum(span - b for b in busy) / (len(busy) * span) if span and busy else 0.0
 
 
 def events_by_rank(timeline: Timeline, lane: str = "compute", collective: bool | None = None
